@@ -1,0 +1,32 @@
+"""dtensor_fp8: FP8 parameters (per-tensor, MXFP8, blockwise) as DTensors for FSDP2, DCP and TP.
+
+Quick start::
+
+    import dtensor_fp8
+    q = dtensor_fp8.quantize(weight, dtensor_fp8.MXFP8())    # bit-exact with Transformer Engine
+    y = torch.nn.functional.linear(x, q)                       # forward reads the rowwise plane
+    bufs = dtensor_fp8.te_layout(q)                            # TE's own attribute layout
+"""
+
+from . import ops as _ops  # noqa: F401  (registers the op table)
+from .formats import (
+    COLUMNWISE,
+    ROWWISE,
+    Blockwise,
+    Codec,
+    CurrentScaling,
+    DelayedScaling,
+    MXFP8,
+    Plane,
+    RecipeError,
+)
+from .linear import quantized_linear
+from .quantize import quantize, te_layout
+from .tensor import QuantizedTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
+    "QuantizedTensor", "ROWWISE", "RecipeError", "quantize", "quantized_linear", "te_layout",
+]

@@ -1,0 +1,266 @@
+"""The codec interface: the only place that knows how FP8 bytes and scales are laid out.
+
+[Note: planes, usages and the logical orientation]
+A quantized weight ``W`` of logical shape ``(M, K)`` has up to two *planes*:
+
+* ``rowwise``: read by the forward GEMM ``y = x W^T``; blocks run along K (e.g. MXFP8 1x32).
+* ``columnwise``: read by the backward GEMM ``dx = dy W``; blocks run along M (e.g. MXFP8 32x1).
+
+Every plane is stored here in the *logical* orientation: ``data`` has shape ``(M, K)`` and
+``scale_inv`` has the shape of the block grid ``(ceil(M / block_rows), ceil(K / block_cols))``,
+where a block extent of ``None`` means "the whole dimension" (per-tensor scaling: grid ``(1, 1)``).
+Because of that, sharding a plane along dim 0 (or 1) is slicing data rows and scale rows at the
+same block boundary, and gathering is concatenation: the placement and FSDP code never needs to
+know the recipe. Transformer Engine's physical layouts (transposed columnwise storage, padded
+scale tensors) are produced only at the TE boundary, by :meth:`Codec.te_layout`.
+
+For per-tensor and 128x128 blockwise recipes the columnwise plane is the rowwise plane with the
+same bytes (``columnwise_is_transpose``): only the rowwise plane is stored and moved, and TE's
+transposed copy (the "transpose cache") is built locally after a gather and discarded when the
+parameter is resharded.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROWWISE = "rowwise"
+COLUMNWISE = "columnwise"
+USAGES = (ROWWISE, COLUMNWISE)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """Extent of one scaling block; ``None`` means the block spans that whole dimension."""
+
+    rows: int | None
+    cols: int | None
+
+    def extent(self, dim: int) -> int | None:
+        return self.rows if dim == 0 else self.cols
+
+    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """Scale-grid shape for a ``(rows, cols)`` matrix."""
+        return tuple(1 if b is None else -(-n // b) for n, b in zip(shape, (self.rows, self.cols)))
+
+    def __str__(self) -> str:
+        fmt = lambda b: "all" if b is None else str(b)  # noqa: E731
+        return f"{fmt(self.rows)}x{fmt(self.cols)}"
+
+
+@dataclass
+class Plane:
+    """One direction's FP8 storage, in the logical orientation (see the note above).
+
+    Attributes:
+        data: FP8 values, a float8 dtype, shape ``(M, K)``.
+        scale_inv: dequantization multipliers per block (fp32, or float8_e8m0fnu for MXFP8),
+            shape = the block grid of ``(M, K)``.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data, self.scale_inv
+
+    def map(self, fn) -> "Plane":
+        return Plane(fn(self.data), fn(self.scale_inv))
+
+
+class RecipeError(ValueError):
+    """A shape, recipe or world size that a codec cannot represent exactly."""
+
+
+class Codec(abc.ABC):
+    """One FP8 recipe: block geometry, scale rule, and the TE storage layout.
+
+    Subclasses are the public recipe objects (``DelayedScaling``, ``CurrentScaling``,
+    ``MXFP8``, ``Blockwise``). Everything generic (block amax, scaling, saturating cast,
+    dequantize, slicing rules) lives here and is driven by :meth:`block_shape`.
+    """
+
+    fp8_dtype: torch.dtype
+    #: True when the columnwise plane holds the same bytes as the rowwise plane, so only the
+    #: rowwise plane is stored/moved and TE's transposed copy is built locally.
+    columnwise_is_transpose: bool = False
+
+    # ---- what a subclass defines -------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """Short recipe name used in messages, e.g. ``"mxfp8"``."""
+
+    @abc.abstractmethod
+    def block_shape(self, usage: str) -> BlockShape:
+        """Scaling block of the plane for ``usage`` (``"rowwise"`` / ``"columnwise"``)."""
+
+    @abc.abstractmethod
+    def scale_from_amax(
+        self, amax: torch.Tensor, usage: str, hp_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-block ``(scale, scale_inv)`` from per-block amax (fp32) of a ``hp_dtype`` input.
+
+        ``scale`` (fp32) multiplies high-precision values before the FP8 cast; ``scale_inv`` is
+        what is stored (dtype :attr:`scale_inv_dtype`).
+        """
+
+    @abc.abstractmethod
+    def te_layout(self, planes: dict[str, Plane], shape, usages=USAGES) -> dict[str, torch.Tensor]:
+        """TE's attribute names -> tensors for a tensor of logical ``shape`` serving ``usages``
+        (FP8 data as uint8, TE's padded scales and transposed storage)."""
+
+    @abc.abstractmethod
+    def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
+        """Inverse of :meth:`te_layout`: planes in the logical orientation, as 2-D matrices."""
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Raise :class:`RecipeError` for shapes TE rejects for this recipe."""
+
+    scale_inv_dtype: torch.dtype = torch.float32
+
+    # ---- geometry ------------------------------------------------------------------------------
+    def stored_usage(self, usage: str) -> str:
+        """The plane that is stored and moved to serve ``usage``."""
+        _check_usage(usage)
+        return ROWWISE if self.columnwise_is_transpose else usage
+
+    def stored_usages(self, rowwise: bool, columnwise: bool) -> tuple[str, ...]:
+        wanted = [u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
+        return tuple(dict.fromkeys(self.stored_usage(u) for u in wanted))
+
+    def shard_alignment(self, dim: int, usages: tuple[str, ...] = USAGES) -> int:
+        """Multiple that a shard boundary along ``dim`` must be, for the stored planes of ``usages``.
+
+        A block spanning a whole dimension (per-tensor scale) does not constrain boundaries: its
+        single scale is replicated on every shard.
+        """
+        extents = [self.block_shape(u).extent(dim) for u in dict.fromkeys(self.stored_usage(u) for u in usages)]
+        return math.lcm(1, *[e for e in extents if e is not None])
+
+    def spans_dim(self, usage: str, dim: int) -> bool:
+        """True when one scaling block covers the whole of ``dim`` (its amax must be reduced
+        across every shard of that dim)."""
+        return self.block_shape(usage).extent(dim) is None
+
+    # ---- quantize / dequantize -----------------------------------------------------------------
+    def block_amax(self, hp: torch.Tensor, usage: str) -> torch.Tensor:
+        """Per-block max of ``|hp|`` (fp32), NaN ignored as TE's ``fmaxf`` reduction does."""
+        x = hp.float().abs()
+        x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+        blocks, _ = _to_blocks(x, self.block_shape(usage))
+        return blocks.amax(dim=(1, 3))
+
+    def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
+        """``saturate(hp * scale)`` cast to FP8 with round-to-nearest-even, per block."""
+        blocks, shape = _to_blocks(hp.float(), self.block_shape(usage))
+        scaled = blocks * scale[:, None, :, None]
+        fp8_max = torch.finfo(self.fp8_dtype).max
+        # Saturating cast (TE converts with __NV_SATFINITE); NaN stays NaN.
+        out = scaled.clamp_(-fp8_max, fp8_max).to(self.fp8_dtype)
+        return _from_blocks(out, shape)
+
+    def decode(self, data: torch.Tensor, scale_inv: torch.Tensor, usage: str, dtype: torch.dtype) -> torch.Tensor:
+        """``fp8 * scale_inv`` in fp32, then cast to ``dtype`` (TE's dequantize order)."""
+        blocks, shape = _to_blocks(data.float(), self.block_shape(usage))
+        out = blocks * scale_inv.float()[:, None, :, None]
+        return _from_blocks(out, shape).to(dtype)
+
+    def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scale, scale_inv)`` grids from a caller-given scale (delayed scaling only)."""
+        raise RecipeError(
+            f"{self.name}: this recipe computes its scales from the data; scale= is only accepted by "
+            "DelayedScaling. Drop the scale argument."
+        )
+
+    def quantize_plane(
+        self, hp: torch.Tensor, usage: str, *, amax: torch.Tensor | None = None, scale=None
+    ) -> Plane:
+        """Quantize a 2-D high-precision matrix into the plane for ``usage``.
+
+        Args:
+            hp: 2-D bf16/fp16/fp32 tensor.
+            usage: ``"rowwise"`` or ``"columnwise"``.
+            amax: per-block amax to use instead of the local one (a reduced amax when the
+                blocks span shards held by other ranks).
+            scale: an explicit per-tensor scale (delayed scaling).
+
+        Example:
+            >>> plane = MXFP8().quantize_plane(torch.randn(64, 64), "rowwise")
+        """
+        if scale is not None:
+            scale, scale_inv = self.given_scale(scale, hp)
+        else:
+            if amax is None:
+                amax = self.block_amax(hp, usage)
+            scale, scale_inv = self.scale_from_amax(amax, usage, hp.dtype)
+        return Plane(self.encode(hp, scale, usage), scale_inv)
+
+    def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.decode(plane.data, plane.scale_inv, usage, dtype)
+
+    # ---- transpose cache (TE's physical layout for transpose-derived recipes) -------------------
+    def transpose_cache(self, plane: Plane) -> torch.Tensor:
+        """TE's transposed FP8 copy of a plane's data, ``(K, M)`` contiguous."""
+        return plane.data.t().contiguous()
+
+    def __repr__(self) -> str:  # dataclass subclasses override
+        return f"{type(self).__name__}()"
+
+
+def _check_usage(usage: str) -> None:
+    if usage not in USAGES:
+        raise ValueError(f"usage must be one of {USAGES}, got {usage!r}")
+
+
+def _to_blocks(x: torch.Tensor, block: BlockShape) -> tuple[torch.Tensor, tuple[int, int]]:
+    """View a 2-D tensor as ``(grid_rows, block_rows, grid_cols, block_cols)``, zero-padding the
+    ragged last blocks (zeros never change an amax and are cut off again by ``_from_blocks``)."""
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    br = m if block.rows is None else block.rows
+    bc = k if block.cols is None else block.cols
+    gr, gc = block.grid((m, k))
+    pad_r, pad_c = gr * max(br, 1) - m, gc * max(bc, 1) - k
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x.reshape(gr, max(br, 1), gc, max(bc, 1)), (m, k)
+
+
+def _from_blocks(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    gr, br, gc, bc = blocks.shape
+    out = blocks.reshape(gr * br, gc * bc)
+    if out.shape != shape:
+        out = out[: shape[0], : shape[1]]
+    return out.contiguous()
+
+
+def as_matrix_shape(shape) -> tuple[int, int]:
+    """TE's 2-D view of a tensor: leading dims flattened into rows."""
+    if len(shape) < 2:
+        raise RecipeError(f"FP8 weights must have at least 2 dims (TE quantizes 2-D matrices), got shape {tuple(shape)}")
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def te_data(data2d: torch.Tensor, shape, *, transposed: bool) -> torch.Tensor:
+    """FP8 data as TE stores it, uint8: ``shape``, or ``(K, *leading)`` for a transposed copy."""
+    u8 = data2d.view(torch.uint8)
+    if transposed:
+        return u8.t().contiguous().reshape(shape[-1], *shape[:-1])
+    return u8.reshape(shape)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-padded copy of a 2-D tensor (TE's padded scale tensors)."""
+    out = t.new_zeros((rows, cols))
+    out[: t.shape[0], : t.shape[1]] = t
+    return out

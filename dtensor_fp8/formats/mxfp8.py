@@ -1,0 +1,129 @@
+"""MXFP8 (OCP Microscaling v1.0, as Transformer Engine implements it): E4M3 data, one E8M0
+(power-of-two) scale per 32 elements; 1x32 blocks for the rowwise plane and 32x1 blocks for the
+columnwise plane, which therefore holds different bytes and is stored and moved on its own.
+
+[Note: E8M0 rounding]
+The OCP spec derives the shared exponent as ``floor(log2(amax)) - emax_elem`` (torchao's default
+"floor" rule). TE instead computes ``float_to_e8m0(amax * (1 / fp8_max))`` and rounds that value
+*up* to a power of two (``cvt.rp.satfinite.ue8m0x2.f32`` on sm_100; a bit-level emulation on other
+archs, transformer_engine/common/util/ptx.cuh), so an element never saturates. Elements are then
+multiplied by the exact reciprocal ``exp2f_rcp(e) = 2^(127 - e)`` and cast to
+E4M3 with round-to-nearest-even and saturation. torch's own fp32 -> float8_e8m0fnu cast rounds to
+nearest and maps inf to 0xFF, so the rounding up is written here with integer bit operations.
+Special amax values: NaN -> 0xFF, Inf -> 0xFE, 0 -> 0x00.
+
+TE's storage (``MXFP8Quantizer.get_scale_shape``, non-swizzled): data ``(M, K)`` for both planes;
+rowwise scales ``(roundup(M, 128), roundup(K/32, 4))``, columnwise ``(roundup(M/32, 4),
+roundup(K, 128))``, E8M0 bytes, padding zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, pad_2d, round_up, te_data
+from .per_tensor import _check_fp8_dtype
+
+BLOCK = 32
+_FP32_MANTISSA_BITS = 23
+_FP32_MANTISSA_MASK = (1 << _FP32_MANTISSA_BITS) - 1
+
+
+def float_to_e8m0(val: torch.Tensor) -> torch.Tensor:
+    """E8M0 byte of a positive fp32 value rounded up to a power of two (TE's ``float_to_e8m0``).
+
+    Returns a uint8 tensor.
+    """
+    bits = val.float().contiguous().view(torch.int32)
+    exponent = (bits >> _FP32_MANTISSA_BITS) & 0xFF
+    mantissa = bits & _FP32_MANTISSA_MASK
+    # Round up unless exact, unless already at the largest finite exponent (satfinite), and
+    # keep denormals <= 2^-127 at exponent 0 (they round to 2^-127, E8M0's smallest value).
+    round_up_ = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    exponent = exponent + round_up_.to(exponent.dtype)
+    exponent = torch.where(torch.isinf(val), torch.full_like(exponent, 0xFE), exponent)
+    exponent = torch.where(torch.isnan(val), torch.full_like(exponent, 0xFF), exponent)
+    exponent = torch.where(val == 0, torch.zeros_like(exponent), exponent)
+    return exponent.to(torch.uint8)
+
+
+def e8m0_reciprocal(biased_exponent: torch.Tensor) -> torch.Tensor:
+    """TE's ``exp2f_rcp`` (common/util/ptx.cuh): ``2^(127 - e)`` as fp32 bits ``(254 - e) << 23``;
+    ``e == 254`` gives the denormal 2^-127 (0x00400000) and ``e == 255`` NaN."""
+    e = biased_exponent.to(torch.int32)
+    bits = (254 - e) << _FP32_MANTISSA_BITS
+    bits = torch.where(e == 254, torch.full_like(bits, 0x00400000), bits)
+    bits = torch.where(e == 255, torch.full_like(bits, 0x7FFFFFFF), bits)
+    return bits.view(torch.float32)
+
+
+@dataclass(frozen=True, repr=True)
+class MXFP8(Codec):
+    """MXFP8: E4M3 data with an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block.
+
+    Args:
+        fp8_dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
+
+    Example:
+        >>> q = dtensor_fp8.quantize(torch.randn(256, 512), MXFP8())
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+    scale_inv_dtype = torch.float8_e8m0fnu
+
+    def __post_init__(self):
+        _check_fp8_dtype("MXFP8", self.fp8_dtype)
+
+    @property
+    def name(self) -> str:
+        return "mxfp8"
+
+    def block_shape(self, usage: str) -> BlockShape:
+        return BlockShape(1, BLOCK) if usage == ROWWISE else BlockShape(BLOCK, 1)
+
+    def check_shape(self, shape):
+        m, k = shape
+        if m % BLOCK or k % BLOCK:
+            raise RecipeError(
+                f"mxfp8: shape {tuple(shape)} is not supported: TE's MXFP8 quantizer needs both matrix "
+                f"dimensions (leading dims flattened: {m} x {k}) divisible by {BLOCK}. Pad the weight "
+                f"to ({round_up(m, BLOCK)}, {round_up(k, BLOCK)}) or keep this layer in high precision."
+            )
+
+    def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
+        # TE multiplies by the fp32-rounded reciprocal (Quantized_Limits::max_norm_rcp), not a division.
+        fp8_max_rcp = torch.tensor(1.0 / torch.finfo(self.fp8_dtype).max, dtype=torch.float32, device=amax.device)
+        biased = float_to_e8m0(amax.float() * fp8_max_rcp)
+        return e8m0_reciprocal(biased), biased.view(torch.float8_e8m0fnu)
+
+    def decode(self, data, scale_inv, usage, dtype):
+        # E8M0 -> fp32 through torch's native cast: exact for every byte but 0xFF (NaN).
+        return super().decode(data, scale_inv.float(), usage, dtype)
+
+    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE)):
+        m, k = as_matrix_shape(shape)
+        out = {}
+        if ROWWISE in usages:
+            p = planes[ROWWISE]
+            out["_rowwise_data"] = te_data(p.data, shape, transposed=False)
+            out["_rowwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(m, 128), round_up(-(-k // BLOCK), 4))
+        if COLUMNWISE in usages:
+            p = planes[COLUMNWISE]
+            out["_columnwise_data"] = te_data(p.data, shape, transposed=False)
+            out["_columnwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(-(-m // BLOCK), 4), round_up(k, 128))
+        return out
+
+    def from_te_layout(self, buffers, shape):
+        m, k = as_matrix_shape(shape)
+        planes = {}
+        for usage in (ROWWISE, COLUMNWISE):
+            data = buffers.get(f"_{usage}_data")
+            if data is None:
+                continue
+            gr, gc = self.block_shape(usage).grid((m, k))
+            scale = buffers[f"_{usage}_scale_inv"][:gr, :gc].contiguous().view(torch.float8_e8m0fnu)
+            planes[usage] = Plane(data.view(self.fp8_dtype).reshape(m, k), scale)
+        return planes

@@ -1,0 +1,167 @@
+"""Per-tensor FP8 scaling: one fp32 scale for the whole tensor (TE's ``Float8Tensor``).
+
+Delayed scaling takes its scale from an amax history (TE's ``DelayedScaling`` recipe); current
+scaling computes it from this tensor's amax (TE's ``Float8CurrentScaling``). Both store one plane:
+the columnwise plane is the same bytes, transposed by TE (``_transpose``) for the backward GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, te_data
+from .scaling import reciprocal, scale_from_amax
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_WHOLE_TENSOR = BlockShape(None, None)
+
+
+def _check_fp8_dtype(recipe: str, fp8_dtype: torch.dtype, allowed=_FP8_DTYPES) -> None:
+    if fp8_dtype not in allowed:
+        raise RecipeError(f"{recipe}: fp8_dtype must be one of {allowed} (TE's E4M3 / E5M2), got {fp8_dtype}")
+
+
+class _PerTensor(Codec):
+    columnwise_is_transpose = True
+
+    def block_shape(self, usage: str) -> BlockShape:
+        return _WHOLE_TENSOR
+
+    def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE)) -> dict[str, torch.Tensor]:
+        plane = planes[ROWWISE]
+        out = {}
+        if ROWWISE in usages:
+            out["_data"] = te_data(plane.data, shape, transposed=False)
+        if COLUMNWISE in usages:
+            out["_transpose"] = te_data(plane.data, shape, transposed=True)
+        out["_scale_inv"] = plane.scale_inv.reshape(1)
+        return out
+
+    def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
+        m, k = as_matrix_shape(shape)
+        scale_inv = buffers["_scale_inv"].float().reshape(1, 1)
+        if buffers.get("_data") is not None:
+            data = buffers["_data"].view(self.fp8_dtype).reshape(m, k)
+        elif buffers.get("_transpose") is not None:
+            data = buffers["_transpose"].view(self.fp8_dtype).reshape(k, m).t().contiguous()
+        else:
+            raise RecipeError(f"{self.name}: TE tensor has neither _data nor _transpose")
+        return {ROWWISE: Plane(data, scale_inv)}
+
+
+@dataclass(frozen=True, repr=True)
+class DelayedScaling(_PerTensor):
+    """Per-tensor delayed scaling: the scale comes from an amax history (TE ``DelayedScaling``).
+
+    ``quantize(x, DelayedScaling(), scale=s)`` quantizes with the given scale (default 1.0, TE's
+    initial scale); :meth:`update_amax_history` and :meth:`scale_from_history` implement TE's rule
+    for the next scale.
+
+    Args:
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        margin: the scale is divided by ``2**margin``.
+        amax_history_len: length of the amax history window.
+        amax_compute_algo: ``"max"`` (max over the window) or ``"most_recent"``.
+
+    Example:
+        >>> recipe = DelayedScaling(fp8_dtype=torch.float8_e4m3fn)
+        >>> q = dtensor_fp8.quantize(torch.randn(256, 256), recipe, scale=torch.tensor(0.5))
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self):
+        _check_fp8_dtype("DelayedScaling", self.fp8_dtype)
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise RecipeError(f"DelayedScaling: amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
+        if self.amax_history_len < 1:
+            raise RecipeError(f"DelayedScaling: amax_history_len must be >= 1, got {self.amax_history_len}")
+
+    @property
+    def name(self) -> str:
+        return "delayed"
+
+    def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
+        # Delayed scaling never derives the scale of *this* cast from this tensor's amax: without
+        # an explicit scale it uses TE's initial scale, 1.0.
+        scale = torch.ones_like(amax, dtype=torch.float32)
+        return scale, reciprocal(scale)
+
+    def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
+        return scale, reciprocal(scale)
+
+    def record_amax(self, amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """What TE's cast kernel does to the history: ``history[0] = max(history[0], amax)``.
+
+        Args:
+            amax_history: shape ``(amax_history_len,)``; row 0 accumulates the current window.
+            amax: the amax of the tensor just quantized.
+        """
+        history = amax_history.float().clone()
+        history[0] = torch.fmax(history[0], amax.float().reshape(()))
+        return history
+
+    def update_scale(self, amax_history: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TE's fused delayed-scaling update (common/recipe/delayed_scaling.cu, ``kernel_bulk``).
+
+        With ``last = history[0]``: if ``last != 0`` the history becomes
+        ``[0, old[2:], last]`` (``old[1]`` leaves the window); the amax is ``max(last, old[1:])``
+        for ``"max"`` or ``last`` for ``"most_recent"``; the scale is
+        ``(fp8_max * 2^-margin) / amax`` when that amax is finite and positive, else the previous
+        scale; an infinite scale becomes ``FLT_MAX``.
+
+        Returns:
+            ``(new_history, new_scale)``.
+        """
+        history = amax_history.float()
+        last = history[0]
+        if self.amax_compute_algo == "max":
+            amax = torch.fmax(last, history[1:].amax()) if history.numel() > 1 else last
+        else:
+            amax = last
+        rolled = torch.cat([history.new_zeros(1), history[2:], last.reshape(1)]) if history.numel() > 1 else history.new_zeros(1)
+        rolled_or_kept = torch.where(last != 0, rolled, history)
+        amax = torch.where(last != 0, amax, last)
+        scaled_max = torch.tensor(torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin), dtype=torch.float32)
+        new = scaled_max.to(amax.device) / amax
+        new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
+        new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale.float().reshape(()))
+        return rolled_or_kept, new.reshape(scale.shape)
+
+
+@dataclass(frozen=True, repr=True)
+class CurrentScaling(_PerTensor):
+    """Per-tensor current scaling: ``scale = fp8_max / amax(x)`` (TE ``Float8CurrentScaling``).
+
+    Args:
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        force_pow_2_scales: round the scale down to a power of two.
+        amax_epsilon: lower bound on amax.
+
+    Example:
+        >>> q = dtensor_fp8.quantize(torch.randn(256, 256), CurrentScaling())
+    """
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    force_pow_2_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        _check_fp8_dtype("CurrentScaling", self.fp8_dtype)
+
+    @property
+    def name(self) -> str:
+        return "current"
+
+    def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
+        scale = scale_from_amax(
+            amax, torch.finfo(self.fp8_dtype).max,
+            force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
+        )
+        return scale, reciprocal(scale)

@@ -1,0 +1,53 @@
+"""Emulated FP8 linear on any device: forward reads the rowwise plane, the input gradient reads
+the columnwise plane (or the transpose cache), each dequantized before a high-precision GEMM.
+
+This is the reference for what TE's FP8 GEMMs compute from the same bytes, and it lets a CPU
+test tell which plane a gather delivered: for MXFP8 and 1x128 blockwise the two planes hold
+different values, so reading the wrong one changes the input gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats.base import ROWWISE
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        # Dequantize to the activation dtype, as TE's GEMM consumes FP8 and accumulates in fp32.
+        w = weight.dequantize(x.dtype, ROWWISE)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # Under FSDP this is the tensor the backward all-gather filled: columnwise planes.
+            grad_x = grad_out @ weight.columnwise_matrix(grad_out.dtype)
+        if ctx.needs_input_grad[1]:
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_w = (g2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def quantized_linear(input: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with a :class:`QuantizedTensor` weight (reached through ``__torch_function__``).
+
+    Args:
+        input: activations ``(..., K)``.
+        weight: quantized weight ``(M, K)`` holding the rowwise plane (and the columnwise plane or
+            transpose cache by the time backward runs).
+        bias: optional ``(M,)``.
+
+    Example:
+        >>> y = torch.nn.functional.linear(x, dtensor_fp8.quantize(w, dtensor_fp8.MXFP8()))
+    """
+    return _QuantizedLinear.apply(input, weight, bias)

@@ -1,0 +1,286 @@
+"""The op table of ``QuantizedTensor``: the aten ops FSDP2, DTensor and DCP apply to parameters.
+
+Every op works plane by plane and is driven by the codec's block geometry, never by the recipe:
+slicing along a dim moves data rows and the scale rows of the blocks they belong to, and refuses
+a boundary that would split a block (``RecipeError``) instead of falling back to high precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .formats.base import Plane, RecipeError
+from .tensor import QuantizedTensor
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+QUANTIZED_OPS: dict = {}
+
+
+def implements(ops):
+    def register(fn):
+        for op in ops:
+            QUANTIZED_OPS[op] = fn
+        return fn
+
+    return register
+
+
+# ---- block-aligned slicing ---------------------------------------------------------------------------
+def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, block: int) -> str:
+    return (
+        f"{q.codec.name}: a boundary at index {boundary} of dim {dim} of a weight of shape "
+        f"{tuple(q.shape)} splits the {q.codec.block_shape(usage)} blocks of its {usage} plane. "
+        f"Shard/slice boundaries along dim {dim} must be multiples of {block} (or the end of the dim)."
+    )
+
+
+def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> QuantizedTensor:
+    """Rows/cols ``[start, end)`` of every plane, as views; refuses boundaries inside a block."""
+    dim = dim % q.dim()
+    size = q.shape[dim]
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    end = max(start, end)
+    planes = {}
+    for usage, plane in q._planes.items():
+        block = q.codec.block_shape(usage).extent(dim)
+        if block is None:  # one scale for the whole dim: shared by every slice
+            scale = plane.scale_inv
+        else:
+            for boundary in (start, end):
+                if boundary % block and boundary != size:
+                    raise RecipeError(misaligned_message(q, dim, boundary, usage, block))
+            first, last = start // block, -(-end // block)
+            scale = plane.scale_inv.narrow(dim, first, last - first)
+        planes[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
+    shape = list(q.shape)
+    shape[dim] = end - start
+    return q._rebuild(planes, shape=shape)
+
+
+@implements([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    q, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
+    if step != 1:
+        raise RecipeError(f"{q.codec.name}: strided slicing (step={step}) of a quantized weight is not supported")
+    size = q.shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return slice_quantized(q, dim, start, end)
+
+
+def _split_by_sizes(q, sizes, dim):
+    out, offset = [], 0
+    for s in sizes:
+        out.append(slice_quantized(q, dim, offset, offset + s))
+        offset += s
+    return out
+
+
+@implements([aten.split.Tensor])
+def _split(func, args, kwargs):
+    q, split_size = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    size = q.shape[dim]
+    sizes = [min(split_size, size - i) for i in range(0, size, split_size)] or [0]
+    return _split_by_sizes(q, sizes, dim)
+
+
+@implements([aten.split_with_sizes.default])
+def _split_with_sizes(func, args, kwargs):
+    q, sizes = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    return _split_by_sizes(q, sizes, dim)
+
+
+# ---- aliasing, copies, allocation ------------------------------------------------------------------
+@implements([aten.detach.default, aten.alias.default])
+def _alias(func, args, kwargs):
+    q = args[0]
+    return q._rebuild(q._planes, transpose=q._transpose)
+
+
+@implements([aten.clone.default])
+def _clone(func, args, kwargs):
+    q = args[0]
+    return q._rebuild({u: p.map(torch.clone) for u, p in q._planes.items()})
+
+
+@implements([aten._to_copy.default])
+def _to_copy(func, args, kwargs):
+    q = args[0]
+    device = kwargs.get("device") or q.device
+    # A dtype here changes only the nominal dtype: the FP8 bytes are never converted.
+    dtype = kwargs.get("dtype") or q.dtype
+    planes = {u: p.map(lambda t: t.to(device=device)) for u, p in q._planes.items()}
+    return q._rebuild(planes, dtype=dtype)
+
+
+def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTensor:
+    """An all-zero QuantizedTensor of ``shape`` with ``q``'s codec, planes and usages."""
+    device = device or q.device
+    planes = {}
+    for usage, plane in q._planes.items():
+        grid = q.codec.block_shape(usage).grid(tuple(shape))
+        planes[usage] = Plane(
+            torch.zeros(shape, dtype=plane.data.dtype, device=device),
+            torch.zeros(grid, dtype=plane.scale_inv.dtype, device=device),
+        )
+    return q._rebuild(planes, shape=shape)
+
+
+@implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros(func, args, kwargs):
+    q, size = args[0], args[1]
+    _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    return zeros_like_quantized(q, list(size), kwargs.get("device"))
+
+
+@implements([aten.zeros_like.default, aten.empty_like.default])
+def _zeros_like(func, args, kwargs):
+    q = args[0]
+    _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    return zeros_like_quantized(q, list(q.shape), kwargs.get("device"))
+
+
+def _check_nominal_dtype(q, dtype, func):
+    if dtype is not None and dtype != q.dtype:
+        raise RecipeError(
+            f"{q.codec.name}: {func} asked for dtype {dtype} from a quantized weight of nominal dtype "
+            f"{q.dtype}; FP8 storage is not converted implicitly. Call .dequantize({dtype}) explicitly."
+        )
+
+
+@implements([aten.copy_.default])
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(src, QuantizedTensor):
+        if src.codec != dst.codec:
+            raise RecipeError(f"copy_: recipe mismatch, destination {dst.codec!r} vs source {src.codec!r}")
+        for usage, plane in dst._planes.items():
+            if usage not in src._planes:
+                raise RecipeError(
+                    f"copy_: source holds planes {tuple(src._planes)}, destination needs {usage!r} ({dst.codec.name})"
+                )
+            plane.data.copy_(src._planes[usage].data)
+            plane.scale_inv.copy_(src._planes[usage].scale_inv)
+    else:
+        # High precision into FP8: quantize every plane the destination stores (local amax).
+        for usage, plane in dst._planes.items():
+            fresh = dst.codec.quantize_plane(src.reshape(dst.shape).to(plane.data.device), usage)
+            plane.data.copy_(fresh.data)
+            plane.scale_inv.copy_(fresh.scale_inv)
+    dst.discard_transpose_cache()
+    return dst
+
+
+@implements([aten.is_same_size.default])
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+# ---- padding and concatenation (DTensor's uneven-shard gathers) ------------------------------------------
+@implements([aten.constant_pad_nd.default])
+def _constant_pad_nd(func, args, kwargs):
+    q, pad = args[0], list(args[1])
+    pad += [0] * (2 * q.dim() - len(pad))
+    # F.pad order: last dim first, (before, after) pairs.
+    after = {q.dim() - 1 - i // 2: pad[i] for i in range(1, len(pad), 2)}
+    if any(pad[i] for i in range(0, len(pad), 2)) or any(v < 0 for v in after.values()):
+        raise RecipeError(f"{q.codec.name}: only padding at the end of a dim is supported on quantized weights, got pad={pad}")
+    shape = [s + after.get(d, 0) for d, s in enumerate(q.shape)]
+    padded = zeros_like_quantized(q, shape)
+    for usage, plane in q._planes.items():
+        target = padded._planes[usage]
+        _narrow_to(target.data, plane.data.shape).view(torch.uint8).copy_(plane.data.view(torch.uint8))
+        _narrow_to(target.scale_inv, plane.scale_inv.shape).copy_(plane.scale_inv)
+    return padded
+
+
+def _narrow_to(t: torch.Tensor, shape) -> torch.Tensor:
+    for d, s in enumerate(shape):
+        t = t.narrow(d, 0, s)
+    return t
+
+
+@implements([aten.cat.default])
+def _cat(func, args, kwargs):
+    tensors = [t for t in args[0]]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    return cat_quantized(tensors, dim)
+
+
+def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
+    """Concatenate pieces along ``dim``; every inner boundary must fall on a block boundary, and
+    scales of blocks spanning ``dim`` (per-tensor) must agree between pieces."""
+    first = tensors[0]
+    dim = dim % first.dim()
+    for t in tensors:
+        if not isinstance(t, QuantizedTensor) or t.codec != first.codec or set(t._planes) != set(first._planes):
+            raise RecipeError(f"cat: every piece must be a QuantizedTensor with recipe {first.codec!r} and planes {tuple(first._planes)}")
+    planes = {}
+    for usage in first._planes:
+        block = first.codec.block_shape(usage).extent(dim)
+        scales = [t._planes[usage].scale_inv for t in tensors]
+        if block is None:
+            if not all(torch.equal(s, scales[0]) for s in scales[1:]):
+                raise RecipeError(
+                    f"{first.codec.name}: cannot concatenate along dim {dim} pieces quantized with different "
+                    f"per-tensor scales ({[s.flatten()[0].item() for s in scales]}); requantize with one shared amax."
+                )
+            scale = scales[0]
+        else:
+            offset = 0
+            for t in tensors[:-1]:
+                offset += t.shape[dim]
+                if t.shape[dim] % block:
+                    raise RecipeError(misaligned_message(first, dim, offset, usage, block))
+            scale = torch.cat(scales, dim)
+        data = torch.cat([t._planes[usage].data.view(torch.uint8) for t in tensors], dim).view(first._planes[usage].data.dtype)
+        planes[usage] = Plane(data, scale)
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return first._rebuild(planes, shape=shape)
+
+
+# ---- functional collectives (DTensor redistribute / full_tensor) ------------------------------------------
+# [Note: gathering a QuantizedTensor]
+# DTensor's Shard(0) -> Replicate() calls _c10d_functional.all_gather_into_tensor on the local
+# tensor. We run it on each inner tensor the local tensor holds -- FP8 data as uint8 (gloo rejects
+# float8), and the scales of blocks that lie along dim 0 -- so only the planes present move: a
+# tensor built with ``with_usages("rowwise")`` gathers forward bytes only. Scales of blocks that span
+# dim 0 (per-tensor) are already identical on every rank and are not sent.
+@implements([c10d.all_gather_into_tensor.default])
+def _all_gather_into_tensor(func, args, kwargs):
+    q, group_size, group_name = args[0], args[1], args[2]
+    planes = {}
+    for usage, plane in q._planes.items():
+        data = func(plane.data.view(torch.uint8), group_size, group_name).view(plane.data.dtype)
+        if q.codec.block_shape(usage).extent(0) is None:
+            scale = plane.scale_inv
+        else:
+            scale = _gather_raw(func, plane.scale_inv, group_size, group_name)
+        planes[usage] = Plane(data, scale)
+    shape = [q.shape[0] * group_size, *q.shape[1:]]
+    return q._rebuild(planes, shape=shape)
+
+
+def _gather_raw(func, t, group_size, group_name):
+    if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
+        return func(t.view(torch.uint8), group_size, group_name).view(t.dtype)
+    return func(t, group_size, group_name)
+
+
+@implements([c10d.wait_tensor.default])
+def _wait_tensor(func, args, kwargs):
+    q = args[0]
+    for t in q.inner_tensors():
+        func(t)
+    return q
+
+
+@implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])
+def _wrap_tensor_autograd(func, args, kwargs):
+    return args[0]

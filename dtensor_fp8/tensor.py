@@ -1,0 +1,178 @@
+"""``QuantizedTensor``: a high-precision-looking tensor that holds FP8 planes.
+
+[Note: what a QuantizedTensor is]
+A wrapper subclass with the *nominal* dtype (bf16/fp32) and logical shape of the weight it
+replaces. It holds the planes its codec stores (``rowwise`` and/or ``columnwise``, each FP8 data +
+``scale_inv`` in the logical orientation, see ``formats/base.py``), the usages it can serve, and,
+for transpose-derived recipes, an optional transpose cache (TE's physical ``(K, M)`` copy).
+
+A tensor may hold a subset of the planes: FSDP's forward gather produces one with only the rowwise
+plane, the backward gather one with only the columnwise plane. Reading a plane the tensor does not
+hold raises; it is never recomputed from high precision behind the caller's back.
+
+Every aten op it supports is in ``ops.py`` (the op table); anything else raises with the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Codec, Plane, RecipeError
+
+
+class QuantizedTensor(torch.Tensor):
+    """FP8 planes + codec, looking like a high-precision tensor of ``dtype`` and ``shape``.
+
+    Build one with :func:`dtensor_fp8.quantize`; the constructor takes planes already made.
+
+    Args:
+        planes: stored planes by usage (``"rowwise"`` / ``"columnwise"``), logical orientation.
+        codec: the recipe object that made them.
+        shape: logical shape (2-D).
+        dtype: nominal high-precision dtype (what ``dequantize()`` returns by default).
+        usages: which usages this tensor can serve; defaults to what ``planes`` allow.
+        transpose: optional transpose cache (transpose-derived recipes only).
+    """
+
+    _planes: dict[str, Plane]
+    _codec: Codec
+    _usages: tuple[str, ...]
+    _transpose: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, planes, codec, shape, dtype, usages=None, transpose=None, requires_grad=False):
+        if not planes:
+            raise RecipeError(f"{codec.name}: a QuantizedTensor needs at least one plane")
+        some = next(iter(planes.values())).data
+        return torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=dtype, device=some.device, requires_grad=requires_grad
+        )
+
+    def __init__(self, planes, codec, shape, dtype, usages=None, transpose=None, requires_grad=False):
+        self._planes = dict(planes)
+        self._codec = codec
+        if usages is None:
+            usages = tuple(u for u in USAGES if codec.stored_usage(u) in self._planes)
+        self._usages = tuple(u for u in USAGES if u in usages)
+        for u in self._usages:
+            if codec.stored_usage(u) not in self._planes:
+                raise RecipeError(f"{codec.name}: usage {u!r} needs the {codec.stored_usage(u)!r} plane, which is absent")
+        self._transpose = transpose
+
+    # ---- accessors --------------------------------------------------------------------------------
+    @property
+    def codec(self) -> Codec:
+        return self._codec
+
+    @property
+    def usages(self) -> tuple[str, ...]:
+        """Usages this tensor can serve (``"rowwise"`` for forward, ``"columnwise"`` for backward)."""
+        return self._usages
+
+    @property
+    def planes(self) -> dict[str, Plane]:
+        return dict(self._planes)
+
+    def plane(self, usage: str) -> Plane:
+        """The stored plane that serves ``usage``; raises if this tensor does not hold it."""
+        stored = self._codec.stored_usage(usage)
+        if usage not in self._usages or stored not in self._planes:
+            raise RecipeError(
+                f"{self._codec.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
+                f"{self._usages}, not {usage!r}. Gather/quantize with {usage} usage enabled "
+                "(e.g. quantize(..., columnwise=True)); planes are never rebuilt from high precision implicitly."
+            )
+        return self._planes[stored]
+
+    def dequantize(self, dtype: torch.dtype | None = None, usage: str | None = None) -> torch.Tensor:
+        """High-precision values from one plane (rowwise when held, else columnwise).
+
+        Args:
+            dtype: output dtype; defaults to the nominal dtype.
+            usage: which plane to read.
+
+        Example:
+            >>> w = quantize(torch.randn(64, 64), MXFP8()).dequantize(torch.float32)
+        """
+        usage = usage or self._usages[0]
+        return self._codec.dequantize_plane(self.plane(usage), usage, dtype or self.dtype)
+
+    # ---- transpose cache ----------------------------------------------------------------------------
+    def create_transpose_cache(self) -> torch.Tensor | None:
+        """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent."""
+        if self._codec.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:
+            self._transpose = self._codec.transpose_cache(self._planes[ROWWISE])
+        return self._transpose
+
+    def discard_transpose_cache(self) -> None:
+        self._transpose = None
+
+    def columnwise_matrix(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized ``(M, K)`` values as the backward GEMM reads them: from the columnwise
+        plane, or for transpose-derived recipes from the transpose cache (built if missing)."""
+        if self._codec.columnwise_is_transpose and COLUMNWISE in self._usages:
+            transposed = self.create_transpose_cache()
+            plane = self._planes[ROWWISE]
+            return self._codec.decode(transposed.t(), plane.scale_inv, COLUMNWISE, dtype)
+        return self.dequantize(dtype, COLUMNWISE)
+
+    # ---- construction helpers -------------------------------------------------------------------
+    def _rebuild(self, planes, shape=None, usages=None, transpose=None, dtype=None) -> "QuantizedTensor":
+        return QuantizedTensor(
+            planes, self._codec, self.shape if shape is None else shape, dtype or self.dtype,
+            self._usages if usages is None else usages, transpose,
+        )
+
+    def with_usages(self, *usages: str) -> "QuantizedTensor":
+        """A view holding only the planes needed for ``usages`` (no copy): gather this one to move
+        only one direction's bytes, e.g. ``q.with_usages("rowwise")`` for forward."""
+        for u in usages:
+            self.plane(u)
+        stored = {self._codec.stored_usage(u) for u in usages}
+        return self._rebuild({k: v for k, v in self._planes.items() if k in stored}, usages=usages)
+
+    def inner_tensors(self) -> list[torch.Tensor]:
+        return [t for p in self._planes.values() for t in p.tensors()]
+
+    def __tensor_flatten__(self):
+        names = [f"{u}_{part}" for u in self._planes for part in ("data", "scale_inv")]
+        return names, (self._codec, self._usages, tuple(self._planes), self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        codec, usages, stored, dtype = ctx
+        planes = {u: Plane(inner[f"{u}_data"], inner[f"{u}_scale_inv"]) for u in stored}
+        return QuantizedTensor(planes, codec, outer_size, dtype, usages)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._codec!r}, "
+            f"usages={self._usages}, planes={tuple(self._planes)})"
+        )
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            from .linear import quantized_linear
+
+            return quantized_linear(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .ops import QUANTIZED_OPS
+
+        kwargs = kwargs or {}
+        impl = QUANTIZED_OPS.get(func) or QUANTIZED_OPS.get(func.overloadpacket)
+        if impl is None:
+            shapes = tree_map_only(QuantizedTensor, lambda t: f"QuantizedTensor{tuple(t.shape)}", args)
+            raise NotImplementedError(
+                f"dtensor_fp8: {func} is not supported on a QuantizedTensor (args: {shapes}). FP8 weights "
+                "are never silently dequantized: call .dequantize() for a high-precision copy, or use "
+                "torch.nn.functional.linear, which runs on the FP8 planes."
+            )
+        return impl(func, args, kwargs)
+
