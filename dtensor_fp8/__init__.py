@@ -21,6 +21,7 @@ from .formats import (
     RecipeError,
 )
 from .linear import quantized_linear
+from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
 
@@ -28,5 +29,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
-    "QuantizedTensor", "ROWWISE", "RecipeError", "quantize", "quantized_linear", "te_layout",
+    "QuantizedTensor", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
+    "for_usage", "quantize", "quantized_linear", "te_layout",
 ]

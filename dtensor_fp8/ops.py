@@ -102,6 +102,22 @@ def _alias(func, args, kwargs):
     return q._rebuild(q._planes, transpose=q._transpose)
 
 
+@implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    q, size = args[0], list(args[1])
+    if -1 in size:
+        known = 1
+        for s in size:
+            known *= s if s != -1 else 1
+        size[size.index(-1)] = q.numel() // max(known, 1)
+    if torch.Size(size) != q.shape:
+        raise RecipeError(
+            f"{q.codec.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "
+            "its planes are block-structured matrices. Views keep the logical shape."
+        )
+    return q._rebuild(q._planes, transpose=q._transpose)
+
+
 @implements([aten.clone.default])
 def _clone(func, args, kwargs):
     q = args[0]
@@ -255,32 +271,33 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
 @implements([c10d.all_gather_into_tensor.default])
 def _all_gather_into_tensor(func, args, kwargs):
     q, group_size, group_name = args[0], args[1], args[2]
-    planes = {}
+    planes, pending = {}, []
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+        out = func(raw, group_size, group_name)
+        pending.append(out)  # the work is registered on this exact tensor: wait on it, not a view
+        return out.view(t.dtype)
+
     for usage, plane in q._planes.items():
-        data = func(plane.data.view(torch.uint8), group_size, group_name).view(plane.data.dtype)
-        if q.codec.block_shape(usage).extent(0) is None:
-            scale = plane.scale_inv
-        else:
-            scale = _gather_raw(func, plane.scale_inv, group_size, group_name)
-        planes[usage] = Plane(data, scale)
-    shape = [q.shape[0] * group_size, *q.shape[1:]]
-    return q._rebuild(planes, shape=shape)
-
-
-def _gather_raw(func, t, group_size, group_name):
-    if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
-        return func(t.view(torch.uint8), group_size, group_name).view(t.dtype)
-    return func(t, group_size, group_name)
+        shared_scale = q.codec.block_shape(usage).extent(0) is None
+        planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
+    out = q._rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
+    out._pending_collectives = pending
+    return out
 
 
 @implements([c10d.wait_tensor.default])
 def _wait_tensor(func, args, kwargs):
     q = args[0]
-    for t in q.inner_tensors():
+    for t in getattr(q, "_pending_collectives", ()):
         func(t)
+    q._pending_collectives = []
     return q
 
 
 @implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])
 def _wrap_tensor_autograd(func, args, kwargs):
-    return args[0]
+    # funcol would wrap the result in an AsyncCollectiveTensor that waits lazily; our planes are
+    # views of several raw outputs, so complete the collectives here and hand back the tensor.
+    return c10d.wait_tensor.default(args[0])

@@ -1,0 +1,157 @@
+"""Quantized DTensors: every plane sharded at block boundaries, gathers that move one direction.
+
+[Note: why plain Shard/Replicate placements]
+A quantized DTensor uses torch's own ``Shard(dim)`` / ``Replicate()`` placements; the block
+geometry travels with the local tensor (its codec), and the direction with the planes it holds.
+We do not subclass ``Shard``: in torch 2.13 it is a C++ class whose ``==``/hash a Python subclass
+inherits, so DTensor's redistribute plan cache (``_gen_transform_infos``) would hand a plain-Shard
+plan to the subclass or the reverse, and overriding ``__eq__`` breaks DTensor construction. With
+plain placements the cached plans are the ordinary ones, and correctness rests on two checks made
+here: (1) every shard boundary that torch's chunk rule produces falls on a block boundary of every
+stored plane (checked when the DTensor is built, with an error naming shape, block and world size
+otherwise); (2) the local tensor's ops (``ops.py``) move whole blocks only. Uneven shards are
+exact when the boundaries are aligned (only the last block is ragged).
+
+Direction: ``dtensor_fp8.for_usage(dt, "rowwise")`` is a zero-copy DTensor view whose local
+tensor holds only the rowwise plane; ``redistribute(mesh, [Replicate()])`` / ``full_tensor()`` of
+it gather forward bytes only (and ``"columnwise"`` backward bytes only; for per-tensor and
+128x128 blockwise that is the shared plane, and the transpose is rebuilt locally).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from .formats.base import USAGES, Codec, RecipeError
+from .ops import slice_quantized
+from .quantize import quantize
+from .tensor import QuantizedTensor
+
+
+def shard_boundaries(size: int, num_chunks: int) -> list[int]:
+    """Interior boundaries torch's ``Shard`` puts along a dim (``torch.chunk`` rule)."""
+    chunk = -(-size // num_chunks) if size else 0
+    return [i * chunk for i in range(1, num_chunks) if 0 < i * chunk < size]
+
+
+def check_shardable(shape, codec: Codec, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
+    """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block.
+
+    Args:
+        shape: the global shape.
+        codec: the recipe.
+        dim: the sharded dim.
+        num_chunks: ranks along that mesh dim.
+        usages: usages whose stored planes must stay whole.
+
+    Example:
+        >>> check_shardable((96, 64), MXFP8(), 0, 2)   # raises: row 48 is inside a 32-row block
+    """
+    align = codec.shard_alignment(dim, usages)
+    size = shape[dim]
+    bad = [b for b in shard_boundaries(size, num_chunks) if b % align]
+    if not bad:
+        return
+    ok_worlds = [w for w in range(1, 17) if all(b % align == 0 for b in shard_boundaries(size, w))]
+    padded = -(-size // (align * num_chunks)) * align * num_chunks
+    raise RecipeError(
+        f"{codec.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
+        f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
+        f"(blocks: {', '.join(f'{u} {codec.block_shape(u)}' for u in usages)}). Fix: use a world size whose "
+        f"chunks are multiples of {align} (for this shape: {ok_worlds}), or pad dim {dim} to {padded}, "
+        f"or keep this layer in high precision."
+    )
+
+
+def check_placements(q_shape, codec: Codec, mesh: DeviceMesh, placements, usages=USAGES) -> None:
+    """:func:`check_shardable` for every ``Shard`` in ``placements`` (nested shards compound)."""
+    shape = list(q_shape)
+    for mesh_dim, p in enumerate(placements):
+        if p.is_shard():
+            n = mesh.size(mesh_dim)
+            check_shardable(shape, codec, p.dim, n, usages)
+            shape[p.dim] = -(-shape[p.dim] // n)
+
+
+def local_shard(q: QuantizedTensor, mesh: DeviceMesh, placements) -> QuantizedTensor:
+    """This rank's block-aligned piece of a full quantized tensor (views, no copy)."""
+    check_placements(q.shape, q.codec, mesh, placements, q.usages)
+    local = q
+    coord = mesh.get_coordinate()
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard) and type(p) is Shard:
+            n, i = mesh.size(mesh_dim), coord[mesh_dim]
+            size = local.shape[p.dim]
+            chunk = -(-size // n)
+            start = min(i * chunk, size)
+            local = slice_quantized(local, p.dim, start, min(start + chunk, size))
+        elif not isinstance(p, Replicate):
+            raise RecipeError(f"dtensor_fp8.distribute supports Shard(dim) and Replicate() placements, got {p}")
+    return local
+
+
+def distribute_quantized(q: QuantizedTensor, mesh: DeviceMesh, placements: list[Placement]) -> DTensor:
+    """A DTensor over ``mesh`` whose local tensor is this rank's block-aligned shard of ``q``.
+
+    Every rank must hold the same full ``q``. Nothing is communicated.
+
+    Args:
+        q: full quantized tensor (identical on every rank).
+        mesh: the device mesh.
+        placements: ``Shard(dim)`` / ``Replicate()`` per mesh dim.
+
+    Example:
+        >>> dt = distribute_quantized(quantize(w, MXFP8()), mesh, [Shard(0)])
+    """
+    placements = list(placements)
+    local = local_shard(q, mesh, placements)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=q.shape, stride=q.stride())
+
+
+def distribute(
+    x: torch.Tensor, mesh: DeviceMesh, placements: list[Placement], recipe: Codec, *,
+    rowwise: bool = True, columnwise: bool = True,
+) -> DTensor:
+    """Quantize a full high-precision tensor (the same on every rank) and shard it at block boundaries.
+
+    The bytes equal ``quantize(x, recipe)``'s: scales of blocks spanning a sharded dim
+    (per-tensor) come from the full tensor's amax.
+
+    Args:
+        x: full high-precision tensor, identical on every rank.
+        mesh: the device mesh.
+        placements: ``Shard(dim)`` / ``Replicate()`` per mesh dim.
+        recipe: the FP8 recipe.
+        rowwise / columnwise: which usages to produce.
+
+    Example:
+        >>> mesh = init_device_mesh("cpu", (2,))
+        >>> dt = dtensor_fp8.distribute(w, mesh, [Shard(0)], dtensor_fp8.MXFP8())
+        >>> full = dtensor_fp8.for_usage(dt, "rowwise").full_tensor()   # QuantizedTensor
+    """
+    q = quantize(x.to(mesh.device_type), recipe, rowwise=rowwise, columnwise=columnwise)
+    return distribute_quantized(q, mesh, placements)
+
+
+def for_usage(dt: DTensor, *usages: str) -> DTensor:
+    """Zero-copy DTensor view holding only the planes for ``usages``.
+
+    Gathering it (``redistribute(mesh, [Replicate()])``, ``full_tensor()``) moves only those
+    planes: ``"rowwise"`` for the forward GEMM, ``"columnwise"`` for the backward GEMM.
+
+    Args:
+        dt: a DTensor whose local tensor is a :class:`QuantizedTensor`.
+        usages: ``"rowwise"`` and/or ``"columnwise"``.
+
+    Example:
+        >>> fwd = dtensor_fp8.for_usage(dt, "rowwise").full_tensor()
+    """
+    local = dt.to_local()
+    if not isinstance(local, QuantizedTensor):
+        raise RecipeError(f"for_usage: DTensor of shape {tuple(dt.shape)} does not hold a QuantizedTensor")
+    return DTensor.from_local(
+        local.with_usages(*usages), dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+    )
