@@ -38,7 +38,13 @@ def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, 
 
 
 def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> QuantizedTensor:
-    """Rows/cols ``[start, end)`` of every plane, as views; refuses boundaries inside a block."""
+    """Rows/cols ``[start, end)`` of every plane, as views.
+
+    ``start`` must be a block boundary: a piece starting inside a block would share that block's
+    scale with the previous piece, and pieces could no longer be concatenated (gathered) exactly.
+    ``end`` may fall inside a block: the piece's last block is then ragged, as the last block of
+    any tensor whose size is not a block multiple is (this is how padding is cut off after a gather).
+    """
     dim = dim % q.dim()
     size = q.shape[dim]
     start, end = max(0, min(start, size)), max(0, min(end, size))
@@ -49,9 +55,8 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
         if block is None:  # one scale for the whole dim: shared by every slice
             scale = plane.scale_inv
         else:
-            for boundary in (start, end):
-                if boundary % block and boundary != size:
-                    raise RecipeError(misaligned_message(q, dim, boundary, usage, block))
+            if start % block and start != size:
+                raise RecipeError(misaligned_message(q, dim, start, usage, block))
             first, last = start // block, -(-end // block)
             scale = plane.scale_inv.narrow(dim, first, last - first)
         planes[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
@@ -280,7 +285,13 @@ def _all_gather_into_tensor(func, args, kwargs):
         return out.view(t.dtype)
 
     for usage, plane in q._planes.items():
-        shared_scale = q.codec.block_shape(usage).extent(0) is None
+        block = q.codec.block_shape(usage).extent(0)
+        if block is not None and q.shape[0] % block:
+            raise RecipeError(
+                f"{q.codec.name}: all-gather input of shape {tuple(q.shape)} is not a whole number of "
+                f"{block}-row blocks of its {usage} plane; shards must be padded to whole blocks first."
+            )
+        shared_scale = block is None
         planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
     out = q._rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
     out._pending_collectives = pending

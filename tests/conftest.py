@@ -27,3 +27,12 @@ def golden():
     if not GOLDEN.exists():
         pytest.fail(f"golden vectors missing at {GOLDEN} (shared/ must sit beside the checkout)")
     return torch.load(GOLDEN, weights_only=False)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    from dist_utils import Pools
+
+    p = Pools()
+    yield p
+    p.close()
