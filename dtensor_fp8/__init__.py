@@ -20,7 +20,11 @@ from .formats import (
     Plane,
     RecipeError,
 )
+from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
+from .fsdp import gather_both_usages
 from .linear import quantized_linear
+from .master import MasterWeightOptimizer
+from .module import quantize_module_
 from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
@@ -30,5 +34,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
     "QuantizedTensor", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
-    "for_usage", "quantize", "quantized_linear", "te_layout",
+    "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
+    "quantized_linear", "te_layout",
 ]

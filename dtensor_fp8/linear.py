@@ -30,6 +30,8 @@ class _QuantizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # Under FSDP this is the tensor the backward all-gather filled: columnwise planes.
             grad_x = grad_out @ weight.columnwise_matrix(grad_out.dtype)
+            # The transpose cache lives from the backward gather to its one use (see fsdp.py).
+            weight.discard_transpose_cache()
         if ctx.needs_input_grad[1]:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             grad_w = (g2.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)

@@ -115,6 +115,10 @@ def _view(func, args, kwargs):
         for s in size:
             known *= s if s != -1 else 1
         size[size.index(-1)] = q.numel() // max(known, 1)
+    if len(size) == 1 and size[0] == q.numel() and q.dim() > 1:
+        # FSDP2 keeps `padded_shard.view(-1)` as `_sharded_param_data` but reads it only for
+        # parameters without the all-gather extension; hand it the primary plane's raw bytes.
+        return next(iter(q._planes.values())).data.view(torch.uint8).reshape(-1)
     if torch.Size(size) != q.shape:
         raise RecipeError(
             f"{q.codec.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "

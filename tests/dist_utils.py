@@ -128,48 +128,39 @@ class Pools:
 
 
 # ---- counting bytes at the collective ---------------------------------------------------------------
-_GATHER_OPS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-    torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default: "all_gather",
-}
-for _name in ("_allgather_base_", "allgather_into_tensor_coalesced_", "allgather_"):
-    if hasattr(torch.ops.c10d, _name):
-        _GATHER_OPS[getattr(torch.ops.c10d, _name).default] = "all_gather"
-
-
-def _plain_tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _plain_tensors(o)]
-    return []
+_FUNCTIONAL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_LEGACY_GATHER = torch.ops.c10d._allgather_base_.default  # (output, input, group, ...): FSDP2's path
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Counts the bytes each rank hands to all-gather collectives, at the plain-tensor level.
+    """Counts the bytes each rank hands to (``sent``) and receives from (``received``) all-gathers,
+    at the plain-tensor level.
 
-    A collective called on a tensor subclass is re-dispatched to the subclass with this mode
-    still active, so what is counted is what actually reaches the process group (the FP8 planes
-    as uint8 and their scales), not the nominal high-precision size.
+    A collective called on a tensor subclass is re-dispatched to the subclass with this mode still
+    active, so what is counted is what reaches the process group (FP8 planes as uint8 and their
+    scales), not the nominal high-precision size.
     """
 
     def __init__(self):
         super().__init__()
-        self.calls: list[tuple[str, torch.dtype, int]] = []
+        self.calls: list[tuple[torch.dtype, int, int]] = []  # (dtype, sent bytes, received bytes)
 
     @property
-    def total(self) -> int:
-        return sum(n for _, _, n in self.calls)
+    def sent(self) -> int:
+        return sum(s for _, s, _ in self.calls)
+
+    @property
+    def received(self) -> int:
+        return sum(r for _, _, r in self.calls)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _GATHER_OPS.get(func)
-        if kind is not None:
-            inputs = _plain_tensors(args[0]) if func.__name__ != "allgather_" else _plain_tensors(args[1])
-            subclass = [t for t in inputs if type(t) is not torch.Tensor]
-            if subclass:
+        if func is _FUNCTIONAL_GATHER or func is _LEGACY_GATHER:
+            inp = args[0] if func is _FUNCTIONAL_GATHER else args[1]
+            if type(inp) is not torch.Tensor:
                 with self:
-                    return type(subclass[0]).__torch_dispatch__(func, types, args, kwargs)
-            for t in inputs:
-                self.calls.append((kind, t.dtype, t.numel() * t.element_size()))
+                    return type(inp).__torch_dispatch__(func, types, args, kwargs)
+            nbytes = inp.numel() * inp.element_size()
+            world = args[1] if func is _FUNCTIONAL_GATHER else args[0].numel() // max(inp.numel(), 1)
+            self.calls.append((inp.dtype, nbytes, nbytes * world))
         return func(*args, **kwargs)

@@ -57,7 +57,7 @@ def _gather_each_usage(recipe_name, shape, dim):
         ref, got = full.plane(usage), gathered.plane(usage)
         assert_bytes_equal(got.data, ref.data, f"{recipe_name} {usage} data")
         assert_bytes_equal(got.scale_inv, ref.scale_inv, f"{recipe_name} {usage} scale_inv")
-        assert counted.total == expected_gather_bytes(shape, recipe, usage, world, dim), counted.calls
+        assert counted.sent == expected_gather_bytes(shape, recipe, usage, world, dim), counted.calls
         # full_tensor() is the same gather
         again = view.full_tensor()
         assert isinstance(again, d.QuantizedTensor)

@@ -1,0 +1,221 @@
+"""FSDP2 all-gather extension: FP8 bytes on the wire, one direction per gather.
+
+[Note: what each FSDP2 all-gather moves]
+``fully_shard`` calls ``fsdp_pre_all_gather`` on each rank's local shard and
+``fsdp_post_all_gather`` on the gathered buffers. We choose the *usages* to gather
+(:func:`fsdp_gather_usages`):
+
+* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM);
+* backward gather: ``columnwise`` (input-gradient GEMM);
+* a group that does not reshard after forward (the root by default, ``reshard_after_forward=False``)
+  gathers both in forward, because no backward gather will happen;
+* with activation checkpointing under the group, both, because the forward is recomputed inside
+  backward from the backward gather.
+
+Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
+(only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
+the metadata). FSDP sizes its all-gather outputs once, at the first gather, and every later gather
+must hand over the same number of inputs with the same dtypes and numels, or it silently resizes
+them ("An output ... was resized") and corrupts the data. Forward (rowwise) and backward
+(columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
+padded to a per-codec slot size that fits either direction's local scale grid.
+
+For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
+transpose TE's backward GEMM wants is built after the backward gather (the "transpose cache") and
+dropped after use, so it never outlives the unsharded parameter.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
+from .ops import implements, slice_quantized
+from .placement import check_shardable
+from .tensor import QuantizedTensor
+
+aten = torch.ops.aten
+
+
+# ---- the one place that reads private FSDP2 state ---------------------------------------------------
+def _current_param_group():
+    """The ``FSDPParamGroup`` whose ``unshard`` is on the call stack (private FSDP2 API).
+
+    ``fsdp_pre_all_gather`` is called from ``FSDPParamGroup.unshard`` -> ``foreach_all_gather``
+    -> ``FSDPParam.all_gather_inputs`` in torch 2.11 and 2.13; the hook's arguments do not
+    include the group, and the group is what knows the training state and whether it reshards.
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, FSDPParamGroup):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _uses_activation_checkpointing(group) -> bool:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    try:
+        from torch.distributed._composable.checkpoint_activation import checkpoint as composable_ckpt
+    except ImportError:  # pragma: no cover
+        composable_ckpt = None
+    for root in getattr(group, "modules", ()):
+        for m in root.modules():
+            if isinstance(m, CheckpointWrapper) or getattr(m, GATHER_BOTH_ATTR, False):
+                return True
+            if composable_ckpt is not None and composable_ckpt.state(m) is not None:
+                return True
+    return False
+
+
+def fsdp_gather_usages() -> tuple[str, ...]:
+    """Usages the FSDP2 all-gather in progress must deliver (see the note at the top)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group = _current_param_group()
+    in_backward = torch._C._current_graph_task_id() != -1
+    if group is None:  # called outside FSDP's unshard: deliver everything
+        return (ROWWISE, COLUMNWISE)
+    in_backward = in_backward or group._training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+    if _uses_activation_checkpointing(group):
+        return (ROWWISE, COLUMNWISE)
+    if in_backward:
+        return (COLUMNWISE,)
+    if group.post_forward_mesh_info is None:  # no reshard after forward: no backward gather follows
+        return (ROWWISE, COLUMNWISE)
+    return (ROWWISE,)
+
+
+#: Set this attribute to True on a module whose forward runs activation checkpointing by itself
+#: (``torch.utils.checkpoint.checkpoint`` inside ``forward``) so its FP8 weights are gathered with
+#: both planes. ``checkpoint_wrapper`` and composable ``checkpoint`` are detected without it.
+GATHER_BOTH_ATTR = "_dtensor_fp8_gather_both"
+
+
+def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
+    """Mark ``module`` so FSDP gathers of its FP8 weights carry both planes.
+
+    Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself.
+
+    Example:
+        >>> dtensor_fp8.gather_both_usages(block); fully_shard(block)
+    """
+    setattr(module, GATHER_BOTH_ATTR, True)
+    return module
+
+
+# ---- all-gather inputs and outputs -------------------------------------------------------------------
+def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
+    """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
+    usages, so forward and backward gathers hand FSDP equal numels."""
+    k = q.shape[1]
+    return max(q.codec.block_shape(u).grid((rows, k))[0] * q.codec.block_shape(u).grid((rows, k))[1]
+               for u in (ROWWISE, COLUMNWISE))
+
+
+def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
+    return q.codec.block_shape(usage).extent(0) is not None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
+    world = mesh.size()
+    usages = fsdp_gather_usages()
+    stored = self.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
+    check_shardable(tuple(outer_size), self.codec, 0, world, usages)
+    padded_rows = -(-outer_size[0] // world)
+    if any(_gathers_scale(self, u) for u in stored) and outer_size[0] % world:
+        # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
+        # padded shard's exact shape; block scales cannot. Raised on every rank alike.
+        raise RecipeError(
+            f"{self.codec.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
+            f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
+            f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
+        )
+    local = self
+    if local.shape[0] != padded_rows:  # short last shard: pad to the padded shard size
+        local = aten.constant_pad_nd.default(local, [0, 0, 0, padded_rows - local.shape[0]])
+    inputs, shared_scales = [], {}
+    slot = _scale_slot_numel(local, padded_rows)
+    for usage in stored:
+        plane = local._planes[usage]
+        inputs.append(plane.data.contiguous().view(torch.uint8))
+        if _gathers_scale(local, usage):
+            scale = _as_bytes(plane.scale_inv).reshape(-1)
+            padded = scale.new_zeros(slot)
+            padded[: scale.numel()] = scale
+            inputs.append(padded)
+        else:
+            shared_scales[usage] = plane.scale_inv
+    metadata = (usages, stored, shared_scales, padded_rows)
+    return tuple(inputs), metadata
+
+
+def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
+    usages, stored, shared_scales, padded_rows = metadata
+    world = outputs[0].numel() // (padded_rows * self.shape[1])
+    full_rows = padded_rows * world
+    k = self.shape[1]
+    planes, i = {}, 0
+    for usage in stored:
+        fp8_dtype = self._planes[usage].data.dtype if usage in self._planes else self.codec.fp8_dtype
+        data = outputs[i].view(full_rows, k).view(fp8_dtype)
+        i += 1
+        if _gathers_scale(self, usage):
+            gr, gc = self.codec.block_shape(usage).grid((padded_rows, k))
+            scale_dtype = self.codec.scale_inv_dtype
+            raw = outputs[i].view(world, -1)
+            i += 1
+            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
+            # dim 0 is the full grid because every shard is a whole number of blocks.
+            scale = raw[:, : gr * gc].reshape(world * gr, gc)
+            scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
+        else:
+            scale = shared_scales[usage]
+        planes[usage] = Plane(data, scale)
+    gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
+    if out is not None:
+        # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
+        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
+        rows = out.shape[0]
+        trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
+        out._planes, out._usages = trimmed._planes, trimmed._usages
+        out._transpose = None
+        if COLUMNWISE in usages:
+            out.create_transpose_cache()
+        return
+    if COLUMNWISE in usages:
+        gathered.create_transpose_cache()
+    # The planes are views of `outputs`, which FSDP already frees on reshard.
+    return gathered, ()
+
+
+QuantizedTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
+QuantizedTensor.fsdp_post_all_gather = fsdp_post_all_gather
+
+
+@implements([aten.as_strided.default])
+def _as_strided(func, args, kwargs):
+    """FSDP2 un-pads the gathered parameter with ``as_strided(full, orig_size, contiguous, 0)``."""
+    q, size, stride = args[0], list(args[1]), list(args[2])
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0) or 0
+    contiguous = [size[1], 1] if len(size) == 2 else None
+    if len(size) != 2 or offset != 0 or stride != contiguous or size[1] != q.shape[1] or size[0] > q.shape[0]:
+        raise RecipeError(
+            f"{q.codec.name}: as_strided{tuple(size), tuple(stride), offset} on a quantized weight of shape "
+            f"{tuple(q.shape)}: only a leading-rows view (FSDP's un-padding) is supported"
+        )
+    out = slice_quantized(q, 0, 0, size[0])
+    out._transpose = q._transpose if size[0] == q.shape[0] else None
+    return out

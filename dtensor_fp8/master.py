@@ -1,0 +1,160 @@
+"""FP32 master weights for FP8 parameters, wrapped around any torch optimizer.
+
+[Note: requantizing sharded FP8 weights]
+After ``step()`` every FP8 parameter's local shard is requantized in place from its FP32 master
+shard, into every plane it stores. A scaling block that lies inside one shard needs nothing from
+other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
+needs the max over all shards: those amaxes of *all* weights are packed into one tensor and
+reduced with a single all-reduce, not one per weight. Delayed scaling records that global amax in
+its per-weight amax history and takes the next scale from TE's update rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from .formats.per_tensor import DelayedScaling
+from .module import HP_INIT_ATTR
+from .tensor import QuantizedTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_dims(p: torch.Tensor) -> set[int]:
+    if not isinstance(p, DTensor):
+        return set()
+    return {pl.dim for pl in p.placements if pl.is_shard()}
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``."""
+    if not isinstance(p, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    for dim, (n, o) in enumerate(zip(shape, offset)):
+        full = full.narrow(dim, o, n)
+    return full
+
+
+class MasterWeightOptimizer:
+    """Any torch optimizer over FP32 masters of a model's FP8 parameters.
+
+    High-precision parameters are optimized as they are. For each FP8 parameter (a
+    :class:`QuantizedTensor`, or a DTensor of them after ``fully_shard``) an FP32 master with the
+    same sharding is created (from the high-precision init values kept by ``quantize_module_``,
+    else from the dequantized FP8 values); its gradient is the parameter's (FSDP has already
+    reduce-scattered it in high precision); after ``step()`` the FP8 shard is requantized in place.
+
+    Args:
+        model: the (sharded) model.
+        optimizer_cls: e.g. ``torch.optim.AdamW``.
+        **optimizer_kwargs: passed to ``optimizer_cls``.
+
+    Example:
+        >>> opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls, **optimizer_kwargs):
+        self.model = model
+        hp_init = getattr(model, HP_INIT_ATTR, {})
+        self.fp8_params: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        params = []
+        for name, p in model.named_parameters():
+            local = _local(p)
+            if not isinstance(local, QuantizedTensor):
+                params.append(p)
+                continue
+            init = hp_init.pop(name, None)
+            if init is not None:
+                master_local = _local_slice(init, p).to(device=local.device, dtype=torch.float32).clone()
+            else:
+                master_local = local.dequantize(torch.float32)
+            master = nn.Parameter(_like(p, master_local))
+            self.fp8_params.append((name, p, master))
+            params.append(master)
+        self.optimizer = optimizer_cls(params, **optimizer_kwargs)
+        self.delayed_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def masters(self) -> dict[str, nn.Parameter]:
+        return {name: m for name, _, m in self.fp8_params}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for name, p, master in self.fp8_params:
+            g = p.grad
+            if g is None:
+                master.grad = None
+                continue
+            master.grad = _like(master, _local(g).to(torch.float32))
+        self.optimizer.step()
+        self.requantize_()
+
+    @torch.no_grad()
+    def requantize_(self) -> None:
+        """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
+        jobs, spanning = [], []
+        for name, p, master in self.fp8_params:
+            q, hp = _local(p), _local(master)
+            for usage in q._planes:
+                amax = q.codec.block_amax(hp, usage)
+                reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
+                if reduce:
+                    spanning.append(amax.reshape(-1))
+                jobs.append((name, q, hp, usage, amax, reduce))
+        if spanning and dist.is_initialized():
+            flat = torch.cat(spanning)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            reduced = iter(flat.split([a.numel() for a in spanning]))
+        else:
+            reduced = iter(spanning)
+        for name, q, hp, usage, amax, reduce in jobs:
+            if reduce:
+                amax = next(reduced).reshape(amax.shape)
+            if isinstance(q.codec, DelayedScaling):
+                fresh = q.codec.quantize_plane(hp, usage, scale=self._next_delayed_scale(name, q, amax))
+            else:
+                fresh = q.codec.quantize_plane(hp, usage, amax=amax)
+            plane = q._planes[usage]
+            plane.data.copy_(fresh.data)
+            plane.scale_inv.copy_(fresh.scale_inv)
+            q.discard_transpose_cache()
+
+    def _next_delayed_scale(self, name: str, q: QuantizedTensor, amax: torch.Tensor) -> torch.Tensor:
+        codec = q.codec
+        if name not in self.delayed_state:
+            history = torch.zeros(codec.amax_history_len, device=amax.device)
+            scale = torch.reciprocal(q._planes["rowwise"].scale_inv.float().reshape(1))
+            self.delayed_state[name] = (history, scale)
+        history, scale = self.delayed_state[name]
+        history = codec.record_amax(history, amax.reshape(()))
+        history, scale = codec.update_scale(history, scale)
+        self.delayed_state[name] = (history, scale)
+        return scale
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"MasterWeightOptimizer({type(self.optimizer).__name__}, fp8_params={len(self.fp8_params)})"
+
