@@ -192,9 +192,10 @@ def _copy_(func, args, kwargs):
             plane.data.copy_(src._planes[usage].data)
             plane.scale_inv.copy_(src._planes[usage].scale_inv)
     else:
-        # High precision into FP8: quantize every plane the destination stores (local amax).
+        # High precision into FP8: quantize every plane the destination stores (local amax; a
+        # delayed-scaling destination keeps its scale).
         for usage, plane in dst._planes.items():
-            fresh = dst.codec.quantize_plane(src.reshape(dst.shape).to(plane.data.device), usage)
+            fresh = dst.codec.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
             plane.data.copy_(fresh.data)
             plane.scale_inv.copy_(fresh.scale_inv)
     dst.discard_transpose_cache()

@@ -471,7 +471,7 @@ def test_current_amax_zero_gives_scale_one():
 def test_current_amax_epsilon():
     x = _rand(32, 32, 11, scale=1e-4)
     _, sinv = check_current(x, d.CurrentScaling(amax_epsilon=0.1), expect_scale=f32(448 / f32(0.1)))
-    check_current(x, d.CurrentScaling(amax_epsilon=0.1, force_pow_2_scales=True), expect_scale=512.0)
+    check_current(x, d.CurrentScaling(amax_epsilon=0.1, force_pow_2_scales=True), expect_scale=4096.0)
     check_current(x * 1e5, d.CurrentScaling(amax_epsilon=0.1))  # eps below amax: no effect
 
 
@@ -648,6 +648,16 @@ def test_delayed_update_scale_vs_kernel_bulk(algo, fp8, margin, history):
     exp_hist, exp_scale = kernel_bulk(history, prev_scale, FORMATS[fp8].max, margin, algo)
     assert_f32_equal(new_hist, exp_hist, "history")
     assert_f32_equal(new_scale, [exp_scale], "scale")
+
+
+@pytest.mark.parametrize("history", [[0.0, 3.0], [INF, 2.0], [1e-40, 0.0]])
+def test_delayed_update_scale_infinite_previous_scale(history):
+    """kernel_bulk applies ``if (isinf(scale)) scale = FLT_MAX`` after choosing between the new and the
+    previous scale, so a kept Inf scale is also replaced."""
+    recipe = d.DelayedScaling(amax_history_len=len(history))
+    _, new_scale = recipe.update_scale(torch.tensor(history), torch.tensor([INF]))
+    assert_f32_equal(new_scale, [kernel_bulk(history, INF, 448.0, 0, "max")[1]])
+    assert new_scale.item() == FLT_MAX
 
 
 def test_delayed_record_amax_accumulates():

@@ -200,6 +200,11 @@ class Codec(abc.ABC):
             scale, scale_inv = self.scale_from_amax(amax, usage, hp.dtype)
         return Plane(self.encode(hp, scale, usage), scale_inv)
 
+    def requantize_plane(self, hp: torch.Tensor, usage: str, current: Plane) -> Plane:
+        """New values for an existing plane (``copy_`` of high precision into FP8). Recipes whose
+        scale is state rather than a function of the data (delayed scaling) keep ``current``'s."""
+        return self.quantize_plane(hp, usage)
+
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)
 

@@ -92,6 +92,9 @@ class DelayedScaling(_PerTensor):
         scale = torch.ones_like(amax, dtype=torch.float32)
         return scale, reciprocal(scale)
 
+    def requantize_plane(self, hp, usage, current):
+        return self.quantize_plane(hp, usage, scale=torch.reciprocal(current.scale_inv.float()))
+
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
         return scale, reciprocal(scale)
@@ -122,7 +125,9 @@ class DelayedScaling(_PerTensor):
         history = amax_history.float()
         last = history[0]
         if self.amax_compute_algo == "max":
-            amax = torch.fmax(last, history[1:].amax()) if history.numel() > 1 else last
+            # fmaxf reduction: a NaN anywhere in the window is ignored (torch's amax would propagate it).
+            rest = history[1:]
+            amax = torch.fmax(last, torch.where(torch.isnan(rest), torch.zeros_like(rest), rest).amax()) if history.numel() > 1 else last
         else:
             amax = last
         rolled = torch.cat([history.new_zeros(1), history[2:], last.reshape(1)]) if history.numel() > 1 else history.new_zeros(1)
@@ -130,8 +135,9 @@ class DelayedScaling(_PerTensor):
         amax = torch.where(last != 0, amax, last)
         scaled_max = torch.tensor(torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin), dtype=torch.float32)
         new = scaled_max.to(amax.device) / amax
-        new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
         new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale.float().reshape(()))
+        # TE replaces an Inf scale after choosing new vs previous, so a kept Inf scale becomes FLT_MAX too.
+        new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
         return rolled_or_kept, new.reshape(scale.shape)
 
 
