@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .formats.per_tensor import DelayedScaling
 from .module import HP_INIT_ATTR
 from .tensor import QuantizedTensor
 
@@ -46,6 +45,46 @@ def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     for dim, (n, o) in enumerate(zip(shape, offset)):
         full = full.narrow(dim, o, n)
     return full
+
+
+@torch.no_grad()
+def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
+    """Requantize FP8 parameters in place from high-precision local shards.
+
+    Args:
+        items: ``(name, param, hp_local)``; ``param`` is a QuantizedTensor or a DTensor of one,
+            ``hp_local`` the high-precision values of this rank's shard.
+        scaling_states: per ``(name, usage)`` scaling state of stateful recipes (delayed
+            scaling's amax history), updated in place; ``None`` keeps their current scales.
+    """
+    jobs, spanning = [], []
+    for name, p, hp in items:
+        q = _local(p)
+        for usage in q._planes:
+            amax = q.codec.block_amax(hp, usage)
+            reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
+            if reduce:
+                spanning.append(amax.reshape(-1))
+            jobs.append((name, q, hp, usage, amax, reduce))
+    if spanning and dist.is_initialized():
+        flat = torch.cat(spanning)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        reduced = iter(flat.split([a.numel() for a in spanning]))
+    else:
+        reduced = iter(spanning)
+    for name, q, hp, usage, amax, reduce in jobs:
+        if reduce:
+            amax = next(reduced).reshape(amax.shape)
+        plane = q._planes[usage]
+        state = None
+        if scaling_states is not None:
+            state = scaling_states.get((name, usage)) or q.codec.initial_scaling_state(plane)
+        fresh, state = q.codec.requantize_plane(hp, usage, plane, amax=amax, state=state)
+        if state is not None:
+            scaling_states[(name, usage)] = state
+        plane.data.copy_(fresh.data)
+        plane.scale_inv.copy_(fresh.scale_inv)
+        q.discard_transpose_cache()
 
 
 class MasterWeightOptimizer:
@@ -86,7 +125,8 @@ class MasterWeightOptimizer:
             self.fp8_params.append((name, p, master))
             params.append(master)
         self.optimizer = optimizer_cls(params, **optimizer_kwargs)
-        self.delayed_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: per (fqn, usage) scaling state of stateful recipes (delayed scaling's amax history)
+        self.scaling_states: dict[tuple[str, str], dict] = {}
 
     @property
     def masters(self) -> dict[str, nn.Parameter]:
@@ -110,44 +150,7 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def requantize_(self) -> None:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
-        jobs, spanning = [], []
-        for name, p, master in self.fp8_params:
-            q, hp = _local(p), _local(master)
-            for usage in q._planes:
-                amax = q.codec.block_amax(hp, usage)
-                reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
-                if reduce:
-                    spanning.append(amax.reshape(-1))
-                jobs.append((name, q, hp, usage, amax, reduce))
-        if spanning and dist.is_initialized():
-            flat = torch.cat(spanning)
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-            reduced = iter(flat.split([a.numel() for a in spanning]))
-        else:
-            reduced = iter(spanning)
-        for name, q, hp, usage, amax, reduce in jobs:
-            if reduce:
-                amax = next(reduced).reshape(amax.shape)
-            if isinstance(q.codec, DelayedScaling):
-                fresh = q.codec.quantize_plane(hp, usage, scale=self._next_delayed_scale(name, q, amax))
-            else:
-                fresh = q.codec.quantize_plane(hp, usage, amax=amax)
-            plane = q._planes[usage]
-            plane.data.copy_(fresh.data)
-            plane.scale_inv.copy_(fresh.scale_inv)
-            q.discard_transpose_cache()
-
-    def _next_delayed_scale(self, name: str, q: QuantizedTensor, amax: torch.Tensor) -> torch.Tensor:
-        codec = q.codec
-        if name not in self.delayed_state:
-            history = torch.zeros(codec.amax_history_len, device=amax.device)
-            scale = torch.reciprocal(q._planes["rowwise"].scale_inv.float().reshape(1))
-            self.delayed_state[name] = (history, scale)
-        history, scale = self.delayed_state[name]
-        history = codec.record_amax(history, amax.reshape(()))
-        history, scale = codec.update_scale(history, scale)
-        self.delayed_state[name] = (history, scale)
-        return scale
+        requantize_from_hp_([(name, p, _local(master)) for name, p, master in self.fp8_params], self.scaling_states)
 
     def state_dict(self):
         return self.optimizer.state_dict()

@@ -195,7 +195,7 @@ def _copy_(func, args, kwargs):
         # High precision into FP8: quantize every plane the destination stores (local amax; a
         # delayed-scaling destination keeps its scale).
         for usage, plane in dst._planes.items():
-            fresh = dst.codec.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
+            fresh, _ = dst.codec.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
             plane.data.copy_(fresh.data)
             plane.scale_inv.copy_(fresh.scale_inv)
     dst.discard_transpose_cache()

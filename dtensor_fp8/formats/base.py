@@ -200,10 +200,26 @@ class Codec(abc.ABC):
             scale, scale_inv = self.scale_from_amax(amax, usage, hp.dtype)
         return Plane(self.encode(hp, scale, usage), scale_inv)
 
-    def requantize_plane(self, hp: torch.Tensor, usage: str, current: Plane) -> Plane:
-        """New values for an existing plane (``copy_`` of high precision into FP8). Recipes whose
-        scale is state rather than a function of the data (delayed scaling) keep ``current``'s."""
-        return self.quantize_plane(hp, usage)
+    def initial_scaling_state(self, current: Plane):
+        """Per-weight scaling state kept across requantizations (delayed scaling's amax history);
+        ``None`` for recipes whose scales are a function of the data alone."""
+        return None
+
+    def requantize_plane(self, hp: torch.Tensor, usage: str, current: Plane, *, amax=None, state=None):
+        """New values for an existing plane, e.g. after an optimizer step.
+
+        Args:
+            hp: high-precision values (this rank's shard).
+            usage: the plane.
+            current: the plane being replaced.
+            amax: per-block amax to use (reduced across ranks where blocks span shards).
+            state: scaling state from :meth:`initial_scaling_state` or a previous call; with
+                ``None`` a stateful recipe keeps ``current``'s scale.
+
+        Returns:
+            ``(plane, state)``.
+        """
+        return self.quantize_plane(hp, usage, amax=amax), state
 
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)

@@ -92,8 +92,20 @@ class DelayedScaling(_PerTensor):
         scale = torch.ones_like(amax, dtype=torch.float32)
         return scale, reciprocal(scale)
 
-    def requantize_plane(self, hp, usage, current):
-        return self.quantize_plane(hp, usage, scale=torch.reciprocal(current.scale_inv.float()))
+    def initial_scaling_state(self, current):
+        history = torch.zeros(self.amax_history_len, device=current.scale_inv.device)
+        return {"amax_history": history, "scale": torch.reciprocal(current.scale_inv.float().reshape(1))}
+
+    def requantize_plane(self, hp, usage, current, *, amax=None, state=None):
+        if state is None:  # keep the current scale (copy_ into an existing FP8 tensor)
+            return self.quantize_plane(hp, usage, scale=torch.reciprocal(current.scale_inv.float())), None
+        if amax is None:
+            amax = self.block_amax(hp, usage)
+        # TE's order: the cast records its amax in history[0]; the update then rolls the history
+        # and derives the scale used from now on.
+        history = self.record_amax(state["amax_history"], amax.reshape(()))
+        history, scale = self.update_scale(history, state["scale"])
+        return self.quantize_plane(hp, usage, scale=scale), {"amax_history": history, "scale": scale}
 
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
