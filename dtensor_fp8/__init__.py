@@ -21,6 +21,7 @@ from .formats import (
     RecipeError,
 )
 from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
+from .checkpoint import export_hp_state_dict, latest_checkpoint, load_checkpoint, load_hp_state_dict, save_checkpoint
 from .fsdp import gather_both_usages
 from .linear import quantized_linear
 from .master import MasterWeightOptimizer
@@ -28,12 +29,14 @@ from .module import quantize_module_
 from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
+from .tp import check_tp_plan, parallelize_module
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
     "QuantizedTensor", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
+    "export_hp_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
-    "quantized_linear", "te_layout",
+    "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module",
 ]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .module import HP_INIT_ATTR
 from .tensor import QuantizedTensor
@@ -26,9 +26,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sharded_dims(p: torch.Tensor) -> set[int]:
+    """Tensor dims sharded over any mesh dim: ``Shard(d)``, and FSDP's ``_StridedShard(d)`` on a
+    (dp, tp) mesh (whose ``is_shard()`` is False in torch 2.13)."""
     if not isinstance(p, DTensor):
         return set()
-    return {pl.dim for pl in p.placements if pl.is_shard()}
+    return {pl.dim for pl in p.placements if isinstance(pl, (Shard, _StridedShard)) or pl.is_shard()}
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -38,13 +40,17 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``."""
+    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``.
+
+    torch's own ``distribute_tensor`` with ``p``'s placements, each rank slicing its own copy
+    (``src_data_rank=None``: no communication). One (offset, length) window per dim cannot
+    describe FSDP's ``_StridedShard`` on a (dp, tp) mesh: a dp shard of a tp shard is a set of
+    interleaved row ranges of the full tensor, not one contiguous slice.
+    """
     if not isinstance(p, DTensor):
         return full
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    for dim, (n, o) in enumerate(zip(shape, offset)):
-        full = full.narrow(dim, o, n)
-    return full
+    full = full.to(p.device_mesh.device_type)
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()
@@ -67,6 +73,8 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
                 spanning.append(amax.reshape(-1))
             jobs.append((name, q, hp, usage, amax, reduce))
     if spanning and dist.is_initialized():
+        # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks that
+        # replicate a shard contribute identical amaxes, so reducing over them too is harmless.
         flat = torch.cat(spanning)
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
         reduced = iter(flat.split([a.numel() for a in spanning]))
@@ -152,11 +160,58 @@ class MasterWeightOptimizer:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
         requantize_from_hp_([(name, p, _local(master)) for name, p, master in self.fp8_params], self.scaling_states)
 
-    def state_dict(self):
-        return self.optimizer.state_dict()
+    def _names_in_order(self) -> list[str]:
+        by_id = {id(m): name for name, _, m in self.fp8_params}
+        by_id.update({id(p): name for name, p in self.model.named_parameters() if id(p) not in by_id})
+        return [by_id[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the inner optimizer's state (and delayed-scaling histories) without changing any
+        value, so a state dict can be loaded in place (``dcp.load``) before the first step."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        saved = [p.grad for p in params]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, g in zip(params, saved):
+            p.grad = g
+        for name, p, _ in self.fp8_params:
+            for usage, plane in _local(p)._planes.items():
+                state = _local(p).codec.initial_scaling_state(plane)
+                if state is not None:
+                    self.scaling_states.setdefault((name, usage), state)
+
+    def state_dict(self) -> dict:
+        """FQN-keyed state: FP32 masters, the inner optimizer's state and hyper-parameters, and the
+        scaling state of stateful recipes. DTensors keep their sharding, so DCP can reshard it."""
+        inner = self.optimizer.state_dict()
+        names = self._names_in_order()
+        return {
+            "masters": {name: m.detach() for name, _, m in self.fp8_params},
+            "state": {names[i]: s for i, s in inner["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in inner["param_groups"]],
+            "scaling": {f"{name}|{usage}": s for (name, usage), s in self.scaling_states.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        names = self._names_in_order()
+        index = {name: i for i, name in enumerate(names)}
+        for name, _, m in self.fp8_params:
+            if name not in state["masters"]:
+                raise KeyError(f"MasterWeightOptimizer.load_state_dict: no master for {name}")
+            _local(m).copy_(_local(state["masters"][name]))
+        self.optimizer.load_state_dict({
+            "state": {index[n]: s for n, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        })
+        self.scaling_states = {tuple(k.split("|")): v for k, v in state.get("scaling", {}).items()}
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({type(self.optimizer).__name__}, fp8_params={len(self.fp8_params)})"

@@ -9,6 +9,7 @@ from torch import nn
 
 from .formats.base import Codec, RecipeError
 from .quantize import quantize
+from .checkpoint import register_state_dict_hooks
 from .tensor import QuantizedTensor
 
 #: ``module._dtensor_fp8_hp_init[fqn]``: the high-precision weight each FP8 parameter was quantized
@@ -61,6 +62,7 @@ def quantize_module_(
             )
         q = quantize(weight.detach(), recipe)
         sub.weight = nn.Parameter(q, requires_grad=weight.requires_grad)
+        register_state_dict_hooks(sub)
         if keep_hp_init:
             hp_init[f"{fqn}.weight" if fqn else "weight"] = weight.detach().to("cpu", copy=True)
     setattr(module, HP_INIT_ATTR, hp_init)

@@ -17,9 +17,9 @@ DIM, HIDDEN, BATCH = 256, 512, 16
 MODES = ["reshard", "no_reshard", "root_default", "explicit_prefetch", "checkpoint", "hsdp"]
 
 
-def _hp_model(seed=0):
+def _hp_model(seed=0, dim=DIM, hidden=HIDDEN):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(DIM, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, DIM, bias=False))
+    model = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, dim, bias=False))
     with torch.no_grad():  # spread magnitudes per output row so the two planes differ
         for layer in (model[0], model[2]):
             layer.weight.mul_(torch.logspace(-1, 1, layer.weight.shape[0])[:, None])

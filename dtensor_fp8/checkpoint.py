@@ -1,0 +1,337 @@
+"""DCP checkpoints of FP8 parameters: exact bytes as ordinary tensors, reshardable.
+
+[Note: how an FP8 weight appears in a state dict]
+``model.state_dict()`` (and so ``get_state_dict`` / ``dcp.save``) holds, for each FP8 weight, a
+dict instead of the parameter::
+
+    "layers.0.w1.weight": {
+        "rowwise_data": uint8 DTensor (M, K),          # the FP8 bytes
+        "rowwise_scale_inv": fp32/uint8 DTensor (grid), # E8M0 scales as their bytes
+        "columnwise_data": ..., "columnwise_scale_inv": ...,   # where the recipe stores it
+        "recipe": "MXFP8(fp8_dtype=torch.float8_e4m3fn)",
+    }
+
+Each tensor is a DTensor with the parameter's mesh: data keeps the parameter's placements, a scale
+grid is sharded on the same dims where its blocks lie inside shards and replicated where one block
+spans the dim (per-tensor scales). Since shards are block-aligned, every saved chunk holds whole
+blocks, and DCP can load any other block-aligned sharding (N -> M ranks, 1-D <-> HSDP) exactly.
+Nothing is pickled but the recipe string; plain ``torch`` reads the checkpoint.
+
+The tensors are copies, not views of the live planes: ``dcp.load`` then fills the copies, and only
+``model.load_state_dict`` (our pre-hook checks recipe and planes first) writes into the model, so a
+failing load leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.tensor import DTensor, Replicate
+
+from .formats.base import Plane, RecipeError
+from .tensor import QuantizedTensor
+
+_RECIPE_KEY = "recipe"
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _storage_view(t: torch.Tensor) -> torch.Tensor:
+    """FP8 and E8M0 tensors as their bytes (plain torch and gloo handle uint8 everywhere)."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.uint8 else t
+
+
+def _scale_placements(param: DTensor, codec, usage):
+    return [
+        Replicate() if p.is_shard() and codec.spans_dim(usage, p.dim) else p for p in param.placements
+    ]
+
+
+def plane_entries(param: torch.Tensor) -> dict:
+    """The state-dict entry of one FP8 parameter: its planes as plain/DTensor copies + recipe."""
+    q = _local(param)
+    entry = {_RECIPE_KEY: repr(q.codec)}
+    for usage, plane in q._planes.items():
+        data = _storage_view(plane.data).clone()
+        scale = _storage_view(plane.scale_inv).clone()
+        if isinstance(param, DTensor):
+            grid = q.codec.block_shape(usage).grid(tuple(param.shape))
+            data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+            scale = DTensor.from_local(scale, param.device_mesh, _scale_placements(param, q.codec, usage),
+                                       run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
+        entry[f"{usage}_data"] = data
+        entry[f"{usage}_scale_inv"] = scale
+    return entry
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    key = prefix + "weight"
+    if key in state_dict and isinstance(_local(module.weight), QuantizedTensor):
+        state_dict[key] = plane_entries(module.weight)
+    return state_dict
+
+
+def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
+    """Validate a saved FP8 entry against the model's parameter and rebuild it (same class and
+    sharding as ``param``) so ``load_state_dict``'s ``copy_`` moves exact bytes."""
+    q = _local(param)
+    saved = entry.get(_RECIPE_KEY)
+    if saved != repr(q.codec):
+        raise RecipeError(
+            f"{name}: checkpoint recipe {saved!r} does not match the model's {q.codec!r}. Load with the same "
+            "recipe, or export/import through high precision (export_hp_state_dict / load_hp_state_dict)."
+        )
+    planes = {}
+    for usage, plane in q._planes.items():
+        missing = [k for k in (f"{usage}_data", f"{usage}_scale_inv") if k not in entry]
+        if missing:
+            raise RecipeError(f"{name}: checkpoint entry lacks {missing} (has {sorted(entry)}); the model needs the {usage} plane")
+        data, scale = _local(entry[f"{usage}_data"]), _local(entry[f"{usage}_scale_inv"])
+        if data.shape != plane.data.shape or scale.shape != plane.scale_inv.shape:
+            raise RecipeError(
+                f"{name}: {usage} plane of shape {tuple(data.shape)} / scales {tuple(scale.shape)} in the checkpoint, "
+                f"model expects {tuple(plane.data.shape)} / {tuple(plane.scale_inv.shape)} (block geometry mismatch)"
+            )
+        planes[usage] = Plane(data.view(plane.data.dtype), scale.view(plane.scale_inv.dtype))
+    rebuilt = QuantizedTensor(planes, q.codec, q.shape, q.dtype, q.usages)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(rebuilt, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return rebuilt
+
+
+def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    key = prefix + "weight"
+    entry = state_dict.get(key)
+    if isinstance(entry, dict):
+        state_dict[key] = entry_to_param(entry, module.weight, key)
+    elif entry is not None and isinstance(_local(module.weight), QuantizedTensor) and not isinstance(_local(entry), QuantizedTensor):
+        raise RecipeError(
+            f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
+            "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
+        )
+
+
+def register_state_dict_hooks(linear: nn.Module) -> None:
+    """Make ``linear.weight`` (an FP8 parameter) save and load as plane tensors (see the note)."""
+    linear._register_state_dict_hook(_state_dict_hook)
+    linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+
+
+# ---- high-precision export / import ------------------------------------------------------------------
+def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The model's state dict with every FP8 weight dequantized (rowwise plane) to ``dtype``.
+
+    Sharded parameters stay DTensors with their placements (``dcp.save`` it, or ``full_tensor()``
+    each entry for a single-file export).
+
+    Args:
+        model: a model with FP8 parameters.
+        dtype: the export dtype.
+
+    Example:
+        >>> sd = dtensor_fp8.export_hp_state_dict(model)        # bf16, same keys as nn.Linear
+        >>> dcp.save(sd, checkpoint_id="export/")
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        q = _local(p)
+        if isinstance(q, QuantizedTensor):
+            hp = q.dequantize(dtype)
+            out[name] = (DTensor.from_local(hp, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                         if isinstance(p, DTensor) else hp)
+        else:
+            out[name] = p.detach()
+    for name, b in model.named_buffers():
+        out[name] = b
+    return out
+
+
+@torch.no_grad()
+def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], optimizer=None) -> None:
+    """Load high-precision weights into an FP8 model: quantize on load, masters from the hp values.
+
+    Entries may be full tensors (every rank the same values) or DTensors laid out like the
+    parameters. Blocks that span shards (per-tensor scales) get the global amax.
+
+    Args:
+        model: the FP8 model (sharded or not).
+        state_dict: parameter name -> bf16/fp32 tensor.
+        optimizer: a :class:`MasterWeightOptimizer` whose masters are set from the same values.
+
+    Example:
+        >>> dtensor_fp8.load_hp_state_dict(model, torch.load("bf16.pt"), optimizer=opt)
+    """
+    from .master import _local_slice, requantize_from_hp_
+
+    masters = optimizer.masters if optimizer is not None else {}
+    items = []
+    for name, p in model.named_parameters():
+        if name not in state_dict:
+            raise KeyError(f"load_hp_state_dict: {name} missing from the state dict")
+        src = state_dict[name]
+        local = _local(src) if isinstance(src, DTensor) else _local_slice(src, p)
+        local = local.to(device=_local(p).device)
+        if isinstance(_local(p), QuantizedTensor):
+            items.append((name, p, local.float()))
+            if name in masters:
+                _local(masters[name]).copy_(local)
+        else:
+            _local(p).copy_(local)
+    requantize_from_hp_(items)
+
+
+# ---- atomic save / load ------------------------------------------------------------------------------------
+LATEST = "latest"
+
+
+def save_checkpoint(state_dict: dict, root: str, step: int) -> str:
+    """``dcp.save`` into ``root/step-<step>`` and only then point ``root/latest`` at it.
+
+    A save that fails or is killed on any rank never updates ``latest``, so the previous checkpoint
+    stays the one :func:`load_checkpoint` opens. Rank 0 switches the pointer with an atomic
+    ``os.replace`` after a barrier.
+
+    Args:
+        state_dict: e.g. ``{"model": model.state_dict(), "optim": opt.state_dict()}``.
+        root: checkpoint directory (shared by all ranks).
+        step: training step, names the sub-directory.
+
+    Returns:
+        The directory written.
+
+    Example:
+        >>> dtensor_fp8.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, "ckpt", step)
+    """
+    path = os.path.join(root, f"step-{step:08d}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.makedirs(root, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    dcp.save(state_dict, checkpoint_id=path)
+    if dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = os.path.join(root, f".{LATEST}.tmp")
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(tmp, os.path.join(root, LATEST))
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def latest_checkpoint(root: str) -> str:
+    """The directory ``root/latest`` points to (the last save that completed on every rank)."""
+    with open(os.path.join(root, LATEST)) as f:
+        return os.path.join(root, f.read().strip())
+
+
+def load_checkpoint(state_dict: dict, path: str) -> None:
+    """``dcp.load`` into ``state_dict`` (in place) with errors that name the entries at fault.
+
+    Load into ``{"model": model.state_dict(), "optim": opt.state_dict()}`` and then call
+    ``model.load_state_dict`` / ``opt.load_state_dict``: the FP8 entries are copies, so a failing
+    load leaves the model untouched.
+
+    Args:
+        state_dict: the state dict to fill (its tensors give the target sharding).
+        path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    _check_against_metadata(state_dict, path)
+    # Optimizer state dicts hold references to live tensors: read into copies, and write them back
+    # only once every entry has been read, so a failing load changes nothing.
+    flat, _ = flatten_state_dict(state_dict)
+    copies = {k: _clone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    try:
+        dcp.load(copies, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+    except (Exception, CheckpointException) as err:  # name the entries that cannot be read
+
+        bad = _unreadable_entries(state_dict, path)
+        raise RuntimeError(
+            f"checkpoint {path} could not be loaded; unreadable entries: {bad or 'unknown'}. The model was not "
+            f"modified. Cause: {type(err).__name__}: {str(err)[:500]}"
+        ) from err
+    with torch.no_grad():
+        for key, value in copies.items():
+            flat[key].copy_(value)
+
+
+class _CaptureBytes(dcp.DefaultLoadPlanner):
+    """Keeps the non-tensor entries it reads (dcp.load does not write them back into plain dicts)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+        self.captured = {}
+
+    def load_bytes(self, read_item, value):
+        self.captured[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _check_against_metadata(state_dict: dict, path: str) -> None:
+    """Recipe, presence and shape of every entry, checked before any tensor is read."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat, _ = flatten_state_dict(state_dict)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    recipes = {k: v for k, v in flat.items() if k.endswith("." + _RECIPE_KEY)}
+    if recipes:
+        loaded = {k: None for k in recipes}
+        missing = [k for k in recipes if k not in saved]
+        if missing:
+            raise RecipeError(f"checkpoint {path} has no FP8 entries for {[k.rsplit('.', 1)[0] for k in missing]} "
+                              "(saved in high precision? use load_hp_state_dict)")
+        planner = _CaptureBytes()
+        dcp.load(loaded, checkpoint_id=path, planner=planner)
+        for key, expected in recipes.items():
+            if planner.captured.get(key) != expected:
+                raise RecipeError(
+                    f"{key.rsplit('.', 1)[0]}: checkpoint recipe {planner.captured.get(key)!r} does not match the model's {expected!r}. "
+                    "Load with the same recipe, or export/import through high precision "
+                    "(export_hp_state_dict / load_hp_state_dict)."
+                )
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        meta = saved.get(key)
+        if meta is None:
+            raise RecipeError(f"{key}: missing from checkpoint {path}")
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
+            raise RecipeError(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} in the model")
+
+
+def _unreadable_entries(state_dict: dict, path: str) -> list[str]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state_dict)
+    bad = []
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        probe = {key: _clone(value)}
+        try:
+            dcp.load(probe, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+        except (Exception, CheckpointException):  # noqa: BLE001
+            bad.append(key)
+    return bad
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.clone()
