@@ -322,6 +322,10 @@ def _wait_tensor(func, args, kwargs):
     return q
 
 
+# funcol defines `_wrap_tensor_autograd` (a custom op) when it is imported; import it first.
+import torch.distributed._functional_collectives  # noqa: E402,F401
+
+
 @implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])
 def _wrap_tensor_autograd(func, args, kwargs):
     # funcol would wrap the result in an AsyncCollectiveTensor that waits lazily; our planes are
@@ -484,3 +488,21 @@ _TRANSPOSE_VIEW_OPS = {
     aten.mm.default: _quantized_gemm,
     aten.addmm.default: _quantized_gemm,
 }
+
+
+# torch's TP styles and ``distribute_tensor`` default to ``src_data_rank=0``: rank 0's copy is
+# scattered / broadcast through c10d with the wrapper subclass in the tensor lists. Refuse with the
+# fix (every rank raises here, before any collective starts, so none is left waiting).
+def _refuse_c10d_source_rank(func, args, kwargs):
+    raise RecipeError(
+        f"dtensor_fp8: {func} on a QuantizedTensor: FP8 weights are not scattered/broadcast from a source "
+        "rank. Every rank holds the same quantized weights after quantize_module_, so slice locally: use "
+        "dtensor_fp8.parallelize_module(model, tp_mesh, plan), or pass src_data_rank=None to torch's "
+        "parallelize_module / distribute_tensor."
+    )
+
+
+for _name in ("scatter_", "broadcast_"):
+    _op = getattr(torch.ops.c10d, _name, None)
+    if _op is not None:
+        QUANTIZED_OPS[_op.default] = _refuse_c10d_source_rank
