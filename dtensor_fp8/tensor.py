@@ -96,7 +96,7 @@ class QuantizedTensor(torch.Tensor):
             >>> w = quantize(torch.randn(64, 64), MXFP8()).dequantize(torch.float32)
         """
         usage = usage or self._usages[0]
-        return self._codec.dequantize_plane(self.plane(usage), usage, dtype or self.dtype)
+        return self._codec.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
 
     # ---- transpose cache ----------------------------------------------------------------------------
     def create_transpose_cache(self) -> torch.Tensor | None:
@@ -159,7 +159,9 @@ class QuantizedTensor(torch.Tensor):
             from .linear import quantized_linear
 
             return quantized_linear(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
+        # No conversion of results to this class: ops that produce plain tensors (GEMMs on the
+        # planes, ``view(-1)``'s raw bytes) must stay plain (torch's default would re-wrap them).
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

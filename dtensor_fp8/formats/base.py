@@ -160,7 +160,10 @@ class Codec(abc.ABC):
         blocks, shape = _to_blocks(hp.float(), self.block_shape(usage))
         scaled = blocks * scale[:, None, :, None]
         fp8_max = torch.finfo(self.fp8_dtype).max
-        # Saturating cast (TE converts with __NV_SATFINITE); NaN stays NaN.
+        # TE writes the canonical NaN byte 0x7F whatever the input NaN's sign (seen on the H200);
+        # torch's CPU cast keeps the sign (0xFF), so make every NaN positive first.
+        scaled = torch.where(torch.isnan(scaled), torch.full_like(scaled, float("nan")), scaled)
+        # Saturating cast (TE converts with __NV_SATFINITE).
         out = scaled.clamp_(-fp8_max, fp8_max).to(self.fp8_dtype)
         return _from_blocks(out, shape)
 

@@ -1,0 +1,39 @@
+"""``python -m dtensor_fp8.benchmarks <subcommand> [options]``.
+
+Each subcommand is a module of this package with a ``main(argv: list[str]) -> int``; add one by
+adding its name to :data:`SUBCOMMANDS` (modules are imported only when chosen).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: subcommand -> (module, one-line description)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "codec": ("dtensor_fp8.benchmarks.codec", "quantize GB/s of our codecs vs TE's kernels vs a device copy"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: python -m dtensor_fp8.benchmarks <subcommand> [options]", "", "subcommands:"]
+    lines += [f"  {name:<10} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
+    lines += ["", "python -m dtensor_fp8.benchmarks <subcommand> --help for its options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

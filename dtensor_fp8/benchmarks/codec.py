@@ -1,0 +1,295 @@
+"""Quantize throughput: our pure-PyTorch codecs vs Transformer Engine's kernels vs a device copy.
+
+``python -m dtensor_fp8.benchmarks codec [--size N] [--dtype bf16] [--out DIR]``
+
+For one ``N x N`` input (default 8192 x 8192 bf16 on CUDA, 1024 x 1024 on CPU) and each recipe,
+times quantization producing both the rowwise and the columnwise usage:
+
+* ``ours``: :func:`dtensor_fp8.quantize` (stored planes in the logical orientation; per-tensor and
+  128x128 recipes store one plane, TE's transpose is not built);
+* ``ours+te_layout``: the same followed by :func:`dtensor_fp8.te_layout` (TE's physical buffers:
+  transposed copies, padded scales), i.e. the same bytes TE's kernels write;
+* ``te``: TE's quantizer (``quantizer(x)``), where TE imports and runs that recipe on this device
+  (TE's MXFP8 kernels need sm_100+);
+* ``copy``: ``dst.copy_(src)`` of the input, the memory-bandwidth reference.
+
+Timing: CUDA events around each call (wall clock on CPU), after warm-up, median over ``--reps``
+calls (at least 20) rotating over ``--buffers`` (at least 3) inputs so no call reads an input the
+previous one left in L2. GB/s counts the input bytes read (``numel * itemsize``); the copy is also
+reported counting read + write. The markdown table goes to stdout, the JSON to
+``--out/codec.json`` (default ``./bench_out/codec.json``) with torch/TE versions, device, date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+import dtensor_fp8 as d
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_MIN_REPS, _MIN_BUFFERS = 20, 3
+
+
+# ---- recipes --------------------------------------------------------------------------------------
+def _recipes() -> dict[str, d.Codec]:
+    return {
+        "delayed_e4m3": d.DelayedScaling(fp8_dtype=torch.float8_e4m3fn),
+        "current_e4m3": d.CurrentScaling(fp8_dtype=torch.float8_e4m3fn),
+        "blockwise1d_e4m3": d.Blockwise(block_dims=1),
+        "blockwise2d_e4m3": d.Blockwise(block_dims=2),
+        "mxfp8_e4m3": d.MXFP8(),
+    }
+
+
+_DELAYED_SCALE = 0.75  # an explicit, non-power-of-two delayed-scaling scale
+
+
+def _import_te():
+    """``(te_module_namespace, None)`` or ``(None, reason)``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformer_engine  # noqa: F401
+            import transformer_engine.pytorch as te
+            import transformer_engine_torch as tex
+            from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+            from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+            from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+    except Exception as e:  # noqa: BLE001  (ImportError, or a failing native library)
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    ns = argparse.Namespace(
+        te=te, tex=tex, Float8Quantizer=Float8Quantizer, Float8CurrentScalingQuantizer=Float8CurrentScalingQuantizer,
+        Float8BlockQuantizer=Float8BlockQuantizer, MXFP8Quantizer=MXFP8Quantizer,
+        version=getattr(te, "__version__", None) or getattr(transformer_engine, "__version__", "unknown"),
+    )
+    return ns, None
+
+
+def _te_quantizer(ns, recipe: d.Codec, device: torch.device, cc: tuple[int, int]):
+    """``(quantizer, None)`` or ``(None, why TE does not run it here)``."""
+    if device.type != "cuda":
+        return None, "TE needs CUDA"
+    fp8 = ns.tex.DType.kFloat8E4M3 if recipe.fp8_dtype == torch.float8_e4m3fn else ns.tex.DType.kFloat8E5M2
+    if isinstance(recipe, d.DelayedScaling):
+        scale = torch.full((1,), _DELAYED_SCALE, dtype=torch.float32, device=device)
+        amax = torch.zeros(1, dtype=torch.float32, device=device)
+        return ns.Float8Quantizer(scale, amax, fp8_dtype=fp8, rowwise=True, columnwise=True), None
+    if isinstance(recipe, d.CurrentScaling):
+        return ns.Float8CurrentScalingQuantizer(
+            fp8, device, rowwise=True, columnwise=True,
+            force_pow_2_scales=recipe.force_pow_2_scales, amax_epsilon=recipe.amax_epsilon,
+        ), None
+    if isinstance(recipe, d.Blockwise):
+        return ns.Float8BlockQuantizer(
+            fp8_dtype=fp8, rowwise=True, columnwise=True, amax_epsilon=recipe.amax_epsilon,
+            force_pow_2_scales=recipe.force_pow_2_scales, block_scaling_dim=recipe.block_dims,
+        ), None
+    if isinstance(recipe, d.MXFP8):
+        if cc < (10, 0):
+            return None, f"TE's MXFP8 kernels need sm_100+, device is sm_{cc[0]}{cc[1]}"
+        return ns.MXFP8Quantizer(fp8, rowwise=True, columnwise=True), None
+    return None, f"no TE quantizer for {recipe!r}"
+
+
+def _te_call(quantizer):
+    def run(x):
+        with torch.no_grad():
+            return quantizer(x)
+    return run
+
+
+def _te_buffers(t, names):
+    if getattr(t, "_transpose_invalid", False) or ("_transpose" in names and getattr(t, "_transpose", 0) is None):
+        t._create_transpose()
+    return {n: getattr(t, n) for n in names}
+
+
+def _valid_region(name: str, m: int, k: int, recipe: d.Codec):
+    """Unpadded extent of TE's padded scale tensors (TE leaves the padding uninitialized)."""
+    c = lambda a, b: -(-a // b)  # noqa: E731
+    if isinstance(recipe, d.Blockwise):
+        if recipe.block_dims == 1:
+            return {"_rowwise_scale_inv": (c(k, 128), m), "_columnwise_scale_inv": (c(m, 128), k)}.get(name)
+        return {"_rowwise_scale_inv": (c(m, 128), c(k, 128)), "_columnwise_scale_inv": (c(k, 128), c(m, 128))}.get(name)
+    if isinstance(recipe, d.MXFP8):
+        return {"_rowwise_scale_inv": (m, k // 32), "_columnwise_scale_inv": (m // 32, k)}.get(name)
+    return None
+
+
+def _bit_exact(ours: dict, theirs: dict, shape, recipe) -> str:
+    m, k = math.prod(shape[:-1]), shape[-1]
+    bad = []
+    for name, a in ours.items():
+        b = theirs.get(name)
+        if b is None or tuple(a.shape) != tuple(b.shape):
+            bad.append(f"{name}:shape")
+            continue
+        r = _valid_region(name, m, k, recipe)
+        if r is not None:
+            a, b = a[: r[0], : r[1]], b[: r[0], : r[1]]
+        if not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            bad.append(name)
+    return "yes" if not bad else "NO: " + ",".join(bad)
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``reps`` calls ``fn(inputs[i % len(inputs)])`` after ``warmup``."""
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    _sync(device)
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for i, (start, end) in enumerate(events):
+            x = inputs[i % len(inputs)]
+            start.record()
+            fn(x)
+            end.record()
+        _sync(device)
+        return [s.elapsed_time(e) for s, e in events]
+    out = []
+    for i in range(reps):
+        x = inputs[i % len(inputs)]
+        t0 = time.perf_counter()
+        fn(x)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _row(recipe: str, impl: str, ms: list[float] | None, in_bytes: int, copy_gbps: float | None, **extra) -> dict:
+    row = {"recipe": recipe, "impl": impl}
+    if ms:
+        med = statistics.median(ms)
+        row.update(median_ms=med, min_ms=min(ms), input_gbps=in_bytes / (med * 1e-3) / 1e9, reps=len(ms))
+        if copy_gbps:
+            row["vs_copy"] = row["input_gbps"] / copy_gbps
+    row.update(extra)
+    return row
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks codec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=None, help="rows = cols of the input (default 8192 on CUDA, 1024 on CPU)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--reps", type=int, default=25, help=f"timed calls per row (>= {_MIN_REPS})")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--buffers", type=int, default=_MIN_BUFFERS, help=f"rotating inputs (>= {_MIN_BUFFERS})")
+    p.add_argument("--recipes", default=None, help=f"comma-separated subset of {','.join(_recipes())}")
+    p.add_argument("--no-te", action="store_true", help="do not import Transformer Engine")
+    p.add_argument("--out", default="bench_out", help="directory for codec.json (default ./bench_out)")
+    args = p.parse_args(argv)
+    if args.reps < _MIN_REPS or args.buffers < _MIN_BUFFERS:
+        p.error(f"--reps must be >= {_MIN_REPS} and --buffers >= {_MIN_BUFFERS}")
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    size = args.size or (8192 if device.type == "cuda" else 1024)
+    dtype = _DTYPES[args.dtype]
+    recipes = _recipes()
+    if args.recipes:
+        unknown = set(args.recipes.split(",")) - set(recipes)
+        if unknown:
+            p.error(f"unknown recipes {sorted(unknown)}; choose from {sorted(recipes)}")
+        recipes = {k: v for k, v in recipes.items() if k in args.recipes.split(",")}
+
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    te_ns, te_reason = (None, "--no-te") if args.no_te else _import_te()
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(size, size, generator=gen, device=device, dtype=torch.float32).to(dtype) for _ in range(args.buffers)]
+    shape = (size, size)
+    in_bytes = inputs[0].numel() * inputs[0].element_size()
+    timing = dict(reps=args.reps, warmup=args.warmup, device=device)
+
+    arch = f" (sm_{cc[0]}{cc[1]})" if device.type == "cuda" else ""
+    te_desc = te_ns.version if te_ns else f"not used ({te_reason})"
+    print(f"# codec quantize benchmark: {size}x{size} {args.dtype} on {device_name}{arch}; "
+          f"torch {torch.__version__}; TE {te_desc}", flush=True)
+
+    rows = []
+    pairs = [(x, torch.empty_like(x)) for x in inputs]  # (src, dst), rotated like the inputs
+    copy_ms = time_calls(lambda pair: pair[1].copy_(pair[0]), pairs, **timing)
+    copy = _row("-", "copy", copy_ms, in_bytes, None)
+    copy["read_write_gbps"] = 2 * in_bytes / (copy["median_ms"] * 1e-3) / 1e9
+    copy_gbps = copy["input_gbps"]
+    rows.append(copy)
+
+    for name, recipe in recipes.items():
+        kw = {"scale": torch.tensor(_DELAYED_SCALE, device=device)} if isinstance(recipe, d.DelayedScaling) else {}
+        ours = lambda x, r=recipe, kw=kw: d.quantize(x, r, rowwise=True, columnwise=True, **kw)  # noqa: E731
+        try:
+            rows.append(_row(name, "ours", time_calls(ours, inputs, **timing), in_bytes, copy_gbps))
+            rows.append(_row(name, "ours+te_layout", time_calls(lambda x, f=ours: d.te_layout(f(x)), inputs, **timing), in_bytes, copy_gbps))
+        except Exception as e:  # noqa: BLE001
+            rows.append(_row(name, "ours", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
+            continue
+        if te_ns is None:
+            rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {te_reason}"))
+            continue
+        quantizer, why = _te_quantizer(te_ns, recipe, device, cc)
+        if quantizer is None:
+            rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {why}"))
+            continue
+        try:
+            ms = time_calls(_te_call(quantizer), inputs, **timing)
+            ref = d.te_layout(ours(inputs[0]))
+            exact = _bit_exact(ref, _te_buffers(_te_call(quantizer)(inputs[0]), ref), shape, recipe)
+            rows.append(_row(name, "te", ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
+        except Exception as e:  # noqa: BLE001
+            rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
+
+    table = format_table(rows, copy)
+    print(table)
+    meta = {
+        "benchmark": "codec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name, "device_type": device.type, "compute_capability": list(cc),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "transformer_engine": te_ns.version if te_ns else None,
+        "te_note": te_reason, "python": platform.python_version(), "shape": list(shape), "dtype": args.dtype,
+        "input_bytes": in_bytes, "reps": args.reps, "warmup": args.warmup, "buffers": args.buffers,
+        "gbps_definition": "input bytes read (numel * itemsize) / median time; copy also as read+write",
+        "argv": sys.argv,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "codec.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "copy": copy, "results": rows, "table_markdown": table}, f, indent=1)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def format_table(rows: list[dict], copy: dict) -> str:
+    head = "| recipe | impl | median ms | min ms | GB/s (input read) | vs copy | bit-exact vs ours | note |"
+    lines = [head, "|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if "median_ms" in r:
+            vs = f"{r['vs_copy']:.3f}" if "vs_copy" in r else "1.000"
+            note = r.get("note", "")
+            if r["impl"] == "copy":
+                note = f"read+write {r['read_write_gbps']:.0f} GB/s"
+            lines.append(f"| {r['recipe']} | {r['impl']} | {r['median_ms']:.4f} | {r['min_ms']:.4f} | "
+                         f"{r['input_gbps']:.1f} | {vs} | {r.get('bit_exact_vs_ours', '')} | {note} |")
+        else:
+            lines.append(f"| {r['recipe']} | {r['impl']} | - | - | - | - | | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
