@@ -158,13 +158,43 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             inputs.append(padded)
         else:
             shared_scales[usage] = plane.scale_inv
-    metadata = (usages, stored, shared_scales, padded_rows)
+    metadata = (usages, stored, shared_scales, padded_rows, world, None)
+    if world == 1 and len(inputs) > 1:
+        # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
+        # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
+        layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
+        packed = torch.cat([_pad_bytes(t) for t in inputs])
+        return (packed,), metadata[:-1] + (layout,)
     return tuple(inputs), metadata
 
 
+def _padded_nbytes(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // 4) * 4  # keep every part 4-byte aligned (fp32 scales)
+
+
+def _pad_bytes(t: torch.Tensor) -> torch.Tensor:
+    raw = t.reshape(-1).view(torch.uint8)
+    out = raw.new_zeros(_padded_nbytes(t))
+    out[: raw.numel()] = raw
+    return out
+
+
+def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
+    parts, offset = [], 0
+    for dtype, shape, nbytes in layout:
+        numel = 1
+        for s in shape:
+            numel *= s
+        part = packed[offset : offset + numel * torch.empty((), dtype=dtype).element_size()]
+        parts.append(part.view(dtype).view(shape))
+        offset += nbytes
+    return parts
+
+
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows = metadata
-    world = outputs[0].numel() // (padded_rows * self.shape[1])
+    usages, stored, shared_scales, padded_rows, world, packed_layout = metadata
+    if packed_layout is not None:
+        outputs = _unpack(outputs[0], packed_layout)
     full_rows = padded_rows * world
     k = self.shape[1]
     planes, i = {}, 0
@@ -187,7 +217,9 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
     gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
-        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
+        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself). Under tensor
+        # parallelism ``out`` is the DTensor over the tp mesh: update its local tensor.
+        out = getattr(out, "_local_tensor", out)
         rows = out.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out._planes, out._usages = trimmed._planes, trimmed._usages

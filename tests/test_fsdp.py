@@ -121,6 +121,8 @@ WIRE_LIMITS = {"mxfp8": 2.07, "blockwise1d": 2.07, "current": 2.01, "delayed": 2
 
 
 def test_wire_bytes_per_parameter_per_step(pools):
+    if WORLD_SIZES[0] == 1:
+        pytest.skip("FSDP2 runs no all-gather on one rank")
     pool = pools[WORLD_SIZES[0]]
     bf16 = pool.run(_wire_bytes, "bf16")[0]
     assert bf16 == pytest.approx(4.0)
@@ -214,6 +216,8 @@ def test_uneven_shards_per_tensor_are_exact(pools):
 
 def test_uneven_shards_with_block_scales_raise_on_every_rank(pools):
     world = WORLD_SIZES[0]
+    if world == 1:
+        pytest.skip("one rank holds the whole weight: nothing is uneven")
     messages = pools[world].run(_uneven, "blockwise1d", 255)
     for msg in messages:
         assert "unevenly" in msg and "(255, 256)" in msg and "Pad dim 0" in msg, msg
