@@ -127,8 +127,9 @@ def progress(step: int, total: int, loss: float, wire: int, bf16: int, tag: str)
     width = 24
     filled = int(width * step / total)
     bar = "#" * filled + "-" * (width - filled)
+    ratio = f"x{wire / bf16:.2f}" if bf16 else "one rank: FSDP2 runs no all-gather"
     print(f"\r[{bar}] step {step:3d}/{total} {tag:7s} loss {loss:7.4f}  all-gather bytes/step "
-          f"{wire / 2**20:6.3f} MiB (bf16 FSDP2: {bf16 / 2**20:6.3f} MiB, x{wire / bf16:.2f})", end="", flush=True)
+          f"{wire / 2**20:6.3f} MiB (bf16 FSDP2: {bf16 / 2**20:6.3f} MiB, {ratio})", end="", flush=True)
 
 
 def worker(rank: int, args) -> None:
