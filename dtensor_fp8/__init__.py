@@ -30,6 +30,7 @@ from .placement import check_shardable, distribute, distribute_quantized, for_us
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
 from .tp import check_tp_plan, parallelize_module
+from .ops import QuantizedTransposeView
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,5 @@ __all__ = [
     "QuantizedTensor", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
     "export_hp_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
-    "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module",
+    "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module", "QuantizedTransposeView",
 ]
