@@ -12,6 +12,9 @@ import sys
 #: subcommand -> (module, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "codec": ("dtensor_fp8.benchmarks.codec", "quantize GB/s of our codecs vs TE's kernels vs a device copy"),
+    "wire": ("dtensor_fp8.benchmarks.fsdp", "FSDP2 all-gather bytes per parameter per step, by recipe vs bf16"),
+    "memory": ("dtensor_fp8.benchmarks.fsdp", "per-rank sharded-parameter, master and peak memory, by recipe vs bf16"),
+    "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }
 
 
@@ -24,9 +27,11 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0
+    if not argv or argv[0].startswith("-"):
+        argv = ["all", *argv]
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
