@@ -50,8 +50,12 @@ def _storage_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_placements(param: DTensor, codec, usage):
+    """Scales follow the data's sharding, except along a dim one block spans (then replicated)."""
+    from .placement import shard_dim
+
     return [
-        Replicate() if p.is_shard() and codec.spans_dim(usage, p.dim) else p for p in param.placements
+        Replicate() if shard_dim(p) is not None and codec.spans_dim(usage, shard_dim(p)) else p
+        for p in param.placements
     ]
 
 

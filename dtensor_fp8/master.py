@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .module import HP_INIT_ATTR
+from .placement import shard_dim
 from .tensor import QuantizedTensor
 
 
@@ -26,11 +26,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sharded_dims(p: torch.Tensor) -> set[int]:
-    """Tensor dims sharded over any mesh dim: ``Shard(d)``, and FSDP's ``_StridedShard(d)`` on a
-    (dp, tp) mesh (whose ``is_shard()`` is False in torch 2.13)."""
+    """Tensor dims sharded over any mesh dim."""
     if not isinstance(p, DTensor):
         return set()
-    return {pl.dim for pl in p.placements if isinstance(pl, (Shard, _StridedShard)) or pl.is_shard()}
+    return {d for d in map(shard_dim, p.placements) if d is not None}
 
 
 def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

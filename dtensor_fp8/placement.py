@@ -23,12 +23,20 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .formats.base import USAGES, Codec, RecipeError
 from .ops import slice_quantized
 from .quantize import quantize
 from .tensor import QuantizedTensor
+
+
+def shard_dim(placement: Placement) -> int | None:
+    """The tensor dim a placement shards: ``Shard(d)`` and FSDP's ``_StridedShard(d)`` on a
+    (dp, tp) mesh (whose ``is_shard()`` is False in torch 2.13); ``None`` otherwise."""
+    if isinstance(placement, (Shard, _StridedShard)) or placement.is_shard():
+        return placement.dim
+    return None
 
 
 def shard_boundaries(size: int, num_chunks: int) -> list[int]:
