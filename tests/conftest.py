@@ -22,6 +22,21 @@ def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None
         raise AssertionError(f"{what}: {diff.shape[0]} differing bytes, first at {diff[0].tolist()}")
 
 
+def valid_region(name: str, m: int, k: int, recipe) -> tuple[int, int] | None:
+    """Unpadded extent of TE's padded scale tensors (TE leaves the padding uninitialized), written
+    from TE's ``get_scale_shape`` independently of the library's layout code."""
+    import dtensor_fp8 as d
+
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if isinstance(recipe, d.Blockwise):
+        if recipe.block_dims == 1:
+            return {"_rowwise_scale_inv": (cdiv(k, 128), m), "_columnwise_scale_inv": (cdiv(m, 128), k)}.get(name)
+        return {"_rowwise_scale_inv": (cdiv(m, 128), cdiv(k, 128)), "_columnwise_scale_inv": (cdiv(k, 128), cdiv(m, 128))}.get(name)
+    if isinstance(recipe, d.MXFP8):
+        return {"_rowwise_scale_inv": (m, k // 32), "_columnwise_scale_inv": (m // 32, k)}.get(name)
+    return None
+
+
 @pytest.fixture(scope="session")
 def golden():
     if not GOLDEN.exists():

@@ -116,15 +116,8 @@ def _te_buffers(t, names):
 
 
 def _valid_region(name: str, m: int, k: int, recipe: d.Codec):
-    """Unpadded extent of TE's padded scale tensors (TE leaves the padding uninitialized)."""
-    c = lambda a, b: -(-a // b)  # noqa: E731
-    if isinstance(recipe, d.Blockwise):
-        if recipe.block_dims == 1:
-            return {"_rowwise_scale_inv": (c(k, 128), m), "_columnwise_scale_inv": (c(m, 128), k)}.get(name)
-        return {"_rowwise_scale_inv": (c(m, 128), c(k, 128)), "_columnwise_scale_inv": (c(k, 128), c(m, 128))}.get(name)
-    if isinstance(recipe, d.MXFP8):
-        return {"_rowwise_scale_inv": (m, k // 32), "_columnwise_scale_inv": (m // 32, k)}.get(name)
-    return None
+    """Unpadded extent of one of TE's padded scale tensors (TE leaves the padding uninitialized)."""
+    return recipe.te_scale_extents((m, k)).get(name)
 
 
 def _bit_exact(ours: dict, theirs: dict, shape, recipe) -> str:

@@ -118,6 +118,11 @@ class Codec(abc.ABC):
     def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
         """Inverse of :meth:`te_layout`: planes in the logical orientation, as 2-D matrices."""
 
+    def te_scale_extents(self, shape) -> dict[str, tuple[int, int]]:
+        """Valid (unpadded) extent of each padded scale tensor in :meth:`te_layout` (TE does not
+        initialize the padding, so only this region is comparable)."""
+        return {}
+
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """Raise :class:`RecipeError` for shapes TE rejects for this recipe."""
 

@@ -92,6 +92,13 @@ class Blockwise(Codec):
                 out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(p.scale_inv.shape[0], _SCALE_PAD))
         return out
 
+    def te_scale_extents(self, shape):
+        m, k = as_matrix_shape(shape)
+        gm, gk = -(-m // BLOCK), -(-k // BLOCK)
+        if self.block_dims == 1:
+            return {"_rowwise_scale_inv": (gk, m), "_columnwise_scale_inv": (gm, k)}
+        return {"_rowwise_scale_inv": (gm, gk), "_columnwise_scale_inv": (gk, gm)}
+
     def from_te_layout(self, buffers, shape):
         m, k = as_matrix_shape(shape)
         planes = {}

@@ -116,6 +116,10 @@ class MXFP8(Codec):
             out["_columnwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(-(-m // BLOCK), 4), round_up(k, 128))
         return out
 
+    def te_scale_extents(self, shape):
+        m, k = as_matrix_shape(shape)
+        return {"_rowwise_scale_inv": (m, k // BLOCK), "_columnwise_scale_inv": (m // BLOCK, k)}
+
     def from_te_layout(self, buffers, shape):
         m, k = as_matrix_shape(shape)
         planes = {}

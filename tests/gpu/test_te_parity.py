@@ -43,6 +43,7 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("no CUDA device: TE parity tests need a GPU (run them on the H200 machine)", allow_module_level=True)
 
 import transformer_engine_torch as tex  # noqa: E402
+from conftest import valid_region  # noqa: E402
 from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer  # noqa: E402
 from transformer_engine.pytorch.tensor.float8_tensor import (  # noqa: E402
     Float8CurrentScalingQuantizer,
@@ -172,18 +173,6 @@ def special_input(case: str, dtype) -> torch.Tensor:
 
 
 # ---- comparison helpers -------------------------------------------------------------------------
-def valid_region(name: str, m: int, k: int, recipe) -> tuple[int, int] | None:
-    """Unpadded extent of TE's padded scale tensors (TE leaves the padding uninitialized)."""
-    cdiv = lambda a, b: -(-a // b)  # noqa: E731
-    if isinstance(recipe, d.Blockwise):
-        if recipe.block_dims == 1:
-            return {"_rowwise_scale_inv": (cdiv(k, 128), m), "_columnwise_scale_inv": (cdiv(m, 128), k)}.get(name)
-        return {"_rowwise_scale_inv": (cdiv(m, 128), cdiv(k, 128)), "_columnwise_scale_inv": (cdiv(k, 128), cdiv(m, 128))}.get(name)
-    if isinstance(recipe, d.MXFP8):
-        return {"_rowwise_scale_inv": (m, k // 32), "_columnwise_scale_inv": (m // 32, k)}.get(name)
-    return None
-
-
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
