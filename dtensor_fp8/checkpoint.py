@@ -35,18 +35,13 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.tensor import DTensor, Replicate
 
 from .formats.base import Plane, RecipeError
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, one_byte_as_uint8
 
 _RECIPE_KEY = "recipe"
 
 
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _storage_view(t: torch.Tensor) -> torch.Tensor:
-    """FP8 and E8M0 tensors as their bytes (plain torch and gloo handle uint8 everywhere)."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype != torch.uint8 else t
 
 
 def _scale_placements(param: DTensor, codec, usage):
@@ -64,8 +59,8 @@ def plane_entries(param: torch.Tensor) -> dict:
     q = _local(param)
     entry = {_RECIPE_KEY: repr(q.codec)}
     for usage, plane in q._planes.items():
-        data = _storage_view(plane.data).clone()
-        scale = _storage_view(plane.scale_inv).clone()
+        data = one_byte_as_uint8(plane.data).clone()
+        scale = one_byte_as_uint8(plane.scale_inv).clone()
         if isinstance(param, DTensor):
             grid = q.codec.block_shape(usage).grid(tuple(param.shape))
             data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,

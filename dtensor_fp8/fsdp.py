@@ -27,6 +27,7 @@ dropped after use, so it never outlives the unsharded parameter.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
 from .ops import implements, slice_quantized
 from .placement import check_shardable
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
 
@@ -116,17 +117,11 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
 def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
     """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
     usages, so forward and backward gathers hand FSDP equal numels."""
-    k = q.shape[1]
-    return max(q.codec.block_shape(u).grid((rows, k))[0] * q.codec.block_shape(u).grid((rows, k))[1]
-               for u in (ROWWISE, COLUMNWISE))
+    return max(math.prod(q.codec.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
 
 
 def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
     return q.codec.block_shape(usage).extent(0) is not None
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
@@ -152,20 +147,22 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         plane = local._planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
         if _gathers_scale(local, usage):
-            scale = _as_bytes(plane.scale_inv).reshape(-1)
+            scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
             padded = scale.new_zeros(slot)
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
             shared_scales[usage] = plane.scale_inv
     metadata = (usages, stored, shared_scales, padded_rows, world, None)
+    # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
+    te_view = getattr(module, "_dtensor_fp8_te_view", None)
     if world == 1 and len(inputs) > 1:
         # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
         # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
         layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
         packed = torch.cat([_pad_bytes(t) for t in inputs])
-        return (packed,), metadata[:-1] + (layout,)
-    return tuple(inputs), metadata
+        return (packed,), metadata[:-1] + (layout, (te_view, outer_size[0]))
+    return tuple(inputs), metadata + ((te_view, outer_size[0]),)
 
 
 def _padded_nbytes(t: torch.Tensor) -> int:
@@ -192,7 +189,7 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows, world, packed_layout = metadata
+    usages, stored, shared_scales, padded_rows, world, packed_layout, (te_view, orig_rows) = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     full_rows = padded_rows * world
@@ -215,6 +212,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
             scale = shared_scales[usage]
         planes[usage] = Plane(data, scale)
     gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
+    if te_view is not None:  # the unsharded parameter is a TE tensor over these buffers (te.py)
+        return te_view(gathered, out, orig_rows)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself). Under tensor

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 
 from .formats.base import Codec, RecipeError

@@ -8,10 +8,9 @@ a boundary that would split a block (``RecipeError``) instead of falling back to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .formats.base import ROWWISE, Plane, RecipeError
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -294,7 +293,7 @@ def _all_gather_into_tensor(func, args, kwargs):
     planes, pending = {}, []
 
     def gather(t: torch.Tensor) -> torch.Tensor:
-        raw = t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+        raw = one_byte_as_uint8(t)
         out = func(raw, group_size, group_name)
         pending.append(out)  # the work is registered on this exact tensor: wait on it, not a view
         return out.view(t.dtype)

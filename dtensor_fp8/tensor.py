@@ -21,6 +21,12 @@ from torch.utils._pytree import tree_map_only
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Codec, Plane, RecipeError
 
 
+def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """FP8 / E8M0 tensors viewed as their bytes (gloo rejects float8 dtypes; plain torch reads
+    uint8 everywhere); wider dtypes (fp32 scales) unchanged."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
 class QuantizedTensor(torch.Tensor):
     """FP8 planes + codec, looking like a high-precision tensor of ``dtype`` and ``shape``.
 

@@ -50,7 +50,6 @@ misaligned plan fails with the shape, block, tp size and the fix, before any wei
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel

@@ -236,8 +236,6 @@ def test_failed_save_keeps_previous_checkpoint(pools, tmp_path):
 def _kill_during_save(rank, root):
     import datetime
 
-    from test_fsdp import _hp_model as build_hp  # noqa: F401  (spawned process: import path set by parent)
-
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=8),
                             store=dist.FileStore(os.path.join(root, "store"), 2))
@@ -309,10 +307,6 @@ def test_export_and_import_high_precision(pools, tmp_path, recipe_name):
 
 
 def test_get_state_dict_path(pools):
-    def keys(recipe_name):
-        model, _ = _build(recipe_name, "reshard")
-        return sorted(get_state_dict(model, optimizers=[])[0])
-
     # get_state_dict keeps the FP8 entries under the parameter's FQN
     assert pools[WORLD_SIZES[0]].run(_gsd_keys, "mxfp8")[0] == ["0.weight", "2.weight"]
 

@@ -1,7 +1,5 @@
 """FP8 parameters under torch's own FSDP2 ``fully_shard`` on real gloo process groups."""
 
-import functools
-
 import pytest
 import torch
 from torch import nn

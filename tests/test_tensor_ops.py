@@ -7,7 +7,6 @@ shape), never from the op under test.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
