@@ -96,6 +96,14 @@ def _split(func, args, kwargs):
     return _split_by_sizes(q, sizes, dim)
 
 
+@implements([aten.chunk.default])
+def _chunk(func, args, kwargs):
+    q, chunks = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    size = q.shape[dim]
+    return _split(aten.split.Tensor, (q, max(-(-size // chunks), 1), dim), {})
+
+
 @implements([aten.split_with_sizes.default])
 def _split_with_sizes(func, args, kwargs):
     q, sizes = args[0], args[1]
@@ -321,8 +329,33 @@ def _wait_tensor(func, args, kwargs):
     return q
 
 
+def _shard_dim_alltoall(func, args, kwargs):
+    """Shard(a) -> Shard(b) on NCCL: DTensor calls ``_dtensor.shard_dim_alltoall``. We do what
+    DTensor itself does on gloo (all-gather along ``gather_dim``, keep this rank's chunk along
+    ``shard_dim``): FP8 bytes only, whole blocks only; it moves ``world`` times an all-to-all's
+    bytes, which is acceptable for a one-off reshard of weights."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    q, gather_dim, shard_dim, group_name = args
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)  # 2.13 / 2.11 name
+    full = gather(q, gather_dim, group)
+    size = full.shape[shard_dim]
+    chunk = -(-size // world)
+    start = min(rank * chunk, size)
+    return slice_quantized(full, shard_dim, start, min(start + chunk, size))
+
+
 # funcol defines `_wrap_tensor_autograd` (a custom op) when it is imported; import it first.
 import torch.distributed._functional_collectives  # noqa: E402,F401
+
+
+import torch.distributed.tensor._collective_utils  # noqa: E402,F401  (defines _dtensor ops)
+
+if hasattr(torch.ops._dtensor, "shard_dim_alltoall"):
+    QUANTIZED_OPS[torch.ops._dtensor.shard_dim_alltoall.default] = _shard_dim_alltoall
 
 
 @implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])

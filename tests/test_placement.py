@@ -163,3 +163,30 @@ def _plan_cache(recipe_name):
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_plain_shard_plans_are_not_confused_with_quantized_ones(pools, recipe_name):
     pools[WORLD_SIZES[0]].run(_plan_cache, recipe_name)
+
+
+# ---- Shard(a) -> Shard(b) -----------------------------------------------------------------------------
+def _shard_to_shard(recipe_name, src_dim, dst_dim):
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh(DEVICE, (world,))
+    recipe = RECIPES[recipe_name]()
+    x = _input((512, 512))
+    expected = d.distribute(x, mesh, [Shard(dst_dim)], recipe).to_local()
+    src = d.distribute(x, mesh, [Shard(src_dim)], recipe)
+    # DTensor's own path (gloo: all-gather + chunk; NCCL: the _dtensor.shard_dim_alltoall op) ...
+    via_dtensor = src.redistribute(mesh, [Shard(dst_dim)]).to_local()
+    # ... and the op NCCL meshes dispatch to the local QuantizedTensor, called directly.
+    group_name = mesh.get_group().group_name
+    via_op = torch.ops._dtensor.shard_dim_alltoall(src.to_local(), src_dim, dst_dim, group_name)
+    for got in (via_dtensor, via_op):
+        assert isinstance(got, d.QuantizedTensor)
+        for usage, plane in expected.planes.items():
+            assert_bytes_equal(got.planes[usage].data, plane.data, f"{usage} data")
+            assert_bytes_equal(got.planes[usage].scale_inv.contiguous(), plane.scale_inv.contiguous(), f"{usage} scale")
+    return True
+
+
+@pytest.mark.parametrize("src_dim,dst_dim", [(0, 1), (1, 0)])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_shard_to_shard_between_dims(pools, recipe_name, src_dim, dst_dim):
+    pools[WORLD_SIZES[0]].run(_shard_to_shard, recipe_name, src_dim, dst_dim)
