@@ -43,8 +43,8 @@ def quantize(
         raise RecipeError(f"quantize: input dtype must be one of {_HP_DTYPES}, got {x.dtype} (shape {tuple(x.shape)})")
     if not (rowwise or columnwise):
         raise RecipeError("quantize: at least one of rowwise / columnwise must be True")
+    recipe.check_shape(tuple(x.shape))
     matrix = as_matrix_shape(x.shape)
-    recipe.check_shape(matrix)
     x2d = x.detach().reshape(matrix)
     planes = {}
     for usage in recipe.stored_usages(rowwise, columnwise):

@@ -124,7 +124,7 @@ class Codec(abc.ABC):
         return {}
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
-        """Raise :class:`RecipeError` for shapes TE rejects for this recipe."""
+        """Raise :class:`RecipeError` for (logical, possibly N-D) shapes TE rejects for this recipe."""
 
     scale_inv_dtype: torch.dtype = torch.float32
 

@@ -85,12 +85,13 @@ class MXFP8(Codec):
         return BlockShape(1, BLOCK) if usage == ROWWISE else BlockShape(BLOCK, 1)
 
     def check_shape(self, shape):
-        m, k = shape
+        m, k = as_matrix_shape(shape)
         if m % BLOCK or k % BLOCK:
+            flat = f" (leading dims flattened: {m} x {k})" if len(shape) > 2 else ""
             raise RecipeError(
                 f"mxfp8: shape {tuple(shape)} is not supported: TE's MXFP8 quantizer needs both matrix "
-                f"dimensions (leading dims flattened: {m} x {k}) divisible by {BLOCK}. Pad the weight "
-                f"to ({round_up(m, BLOCK)}, {round_up(k, BLOCK)}) or keep this layer in high precision."
+                f"dimensions{flat} divisible by {BLOCK}. Pad the weight to a multiple of {BLOCK} in both "
+                f"({round_up(m, BLOCK)} x {round_up(k, BLOCK)}) or keep this layer in high precision."
             )
 
     def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
