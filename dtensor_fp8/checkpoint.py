@@ -72,10 +72,14 @@ def plane_entries(param: torch.Tensor) -> dict:
     return entry
 
 
+def _fp8_params(module):
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if isinstance(_local(p), QuantizedTensor)]
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    key = prefix + "weight"
-    if key in state_dict and isinstance(_local(module.weight), QuantizedTensor):
-        state_dict[key] = plane_entries(module.weight)
+    for name, p in _fp8_params(module):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = plane_entries(p)
     return state_dict
 
 
@@ -109,21 +113,23 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    key = prefix + "weight"
-    entry = state_dict.get(key)
-    if isinstance(entry, dict):
-        state_dict[key] = entry_to_param(entry, module.weight, key)
-    elif entry is not None and isinstance(_local(module.weight), QuantizedTensor) and not isinstance(_local(entry), QuantizedTensor):
-        raise RecipeError(
-            f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
-            "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
-        )
+    for name, p in _fp8_params(module):
+        key = prefix + name
+        entry = state_dict.get(key)
+        if isinstance(entry, dict):
+            state_dict[key] = entry_to_param(entry, p, key)
+        elif entry is not None and not isinstance(_local(entry), QuantizedTensor):
+            raise RecipeError(
+                f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
+                "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
+            )
 
 
-def register_state_dict_hooks(linear: nn.Module) -> None:
-    """Make ``linear.weight`` (an FP8 parameter) save and load as plane tensors (see the note)."""
-    linear._register_state_dict_hook(_state_dict_hook)
-    linear._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Make the FP8 parameters of ``module`` (its own, not its children's) save and load as plane
+    tensors (see the note)."""
+    module._register_state_dict_hook(_state_dict_hook)
+    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
 
 
 # ---- high-precision export / import ------------------------------------------------------------------

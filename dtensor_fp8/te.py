@@ -299,6 +299,7 @@ def quantize_te_module_(
         filter_fn: ``(te_module, param_name) -> bool``; only accepted weights are converted.
         keep_hp_init: keep a CPU copy of each high-precision init value for the master weights.
     """
+    from .checkpoint import register_state_dict_hooks
     from .module import HP_INIT_ATTR
 
     hp_init = getattr(module, HP_INIT_ATTR, {})
@@ -330,6 +331,7 @@ def quantize_te_module_(
             converted = True
         if converted:
             setattr(sub, TE_VIEW_ATTR, fsdp_te_view)
+            register_state_dict_hooks(sub)
     setattr(module, HP_INIT_ATTR, hp_init)
     return module
 
