@@ -3,6 +3,7 @@
     python examples/train.py                       # 2 CPU ranks (gloo), MXFP8, 40 steps
     python examples/train.py --recipe blockwise2d --steps 60
     python examples/train.py --device cuda --world-size 1    # NCCL on a GPU machine
+    python examples/train.py --device cuda --world-size 1 --te --recipe blockwise2d   # TE TransformerLayers
 
 What it does on every rank: builds the model on the meta device, materializes and initializes it,
 turns its Linear weights into FP8 parameters (``quantize_module_``), shards every block and the
@@ -62,11 +63,22 @@ class Block(nn.Module):
         return x + self.w2(F.gelu(self.w1(self.mlp_norm(x))))
 
 
+def te_block(dim: int, heads: int, ffn: int, index: int) -> nn.Module:
+    """A Transformer Engine TransformerLayer (fused QKV: TE consumes the FP8 weight as one tensor)."""
+    import transformer_engine.pytorch as te
+
+    return te.TransformerLayer(dim, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True,
+                               self_attn_mask_type="causal", layer_number=index + 1, params_dtype=torch.float32)
+
+
 class Transformer(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, ffn: int, layers: int):
+    def __init__(self, vocab: int, dim: int, heads: int, ffn: int, layers: int, use_te: bool = False):
         super().__init__()
+        self.use_te = use_te
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            te_block(dim, heads, ffn, i) if use_te else Block(dim, heads, ffn) for i in range(layers)
+        )
         self.norm = nn.RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -81,8 +93,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens):
         x = self.embed(tokens)
+        if self.use_te:  # TE layers take (seq, batch, hidden)
+            x = x.transpose(0, 1)
         for layer in self.layers:
             x = layer(x)
+        if self.use_te:
+            x = x.transpose(0, 1)
         return self.head(self.norm(x))
 
 
@@ -100,11 +116,19 @@ def batches(vocab: int, batch: int, seq: int, step: int, rank: int, world: int):
 
 
 def build(args, device, mesh, fp8: bool):
-    with torch.device("meta"):
-        model = Transformer(args.vocab, args.dim, args.heads, args.ffn, args.layers)
-    model.to_empty(device=device)
-    model.init_weights(seed=0)
-    if fp8:  # every Linear of the blocks; the output head stays in high precision
+    if args.te:  # TE builds its layers on the device (its init needs real tensors)
+        torch.manual_seed(0)
+        model = Transformer(args.vocab, args.dim, args.heads, args.ffn, args.layers, use_te=True).to(device)
+    else:
+        with torch.device("meta"):
+            model = Transformer(args.vocab, args.dim, args.heads, args.ffn, args.layers)
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+    if fp8 and args.te:  # the TE layers' weights; embedding and head stay in high precision
+        from dtensor_fp8.te import quantize_te_module_
+
+        quantize_te_module_(model.layers, RECIPES[args.recipe]())
+    elif fp8:  # every Linear of the blocks; the output head stays in high precision
         dtensor_fp8.quantize_module_(model, RECIPES[args.recipe](), filter_fn=lambda m, fqn: fqn.startswith("layers."))
     else:
         model = model.to(torch.bfloat16)
@@ -114,12 +138,35 @@ def build(args, device, mesh, fp8: bool):
     return model
 
 
+def te_autocast(args):
+    """TE's FP8 compute context for ``--te`` (the TE recipe matching ours), else a no-op."""
+    import contextlib
+
+    if not args.te:
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
+    make = {
+        "delayed": te_recipe.DelayedScaling, "current": te_recipe.Float8CurrentScaling,
+        "mxfp8": te_recipe.MXFP8BlockScaling, "blockwise2d": te_recipe.Float8BlockScaling,
+        "blockwise1d": lambda: te_recipe.Float8BlockScaling(w_block_scaling_dim=1),
+    }[args.recipe]
+    return te.autocast(enabled=True, recipe=make())
+
+
+def step_loss(model, args, x, y, device):
+    with te_autocast(args):
+        logits = model(x.to(device))
+    return F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
+
+
 def bf16_wire_bytes(args, device, mesh) -> int:
     """Bytes one training step's all-gathers move for the same model in bf16 under FSDP2."""
     model = build(args, device, mesh, fp8=False)
     x, y = batches(args.vocab, args.batch, args.seq, 0, 0, 1)
     with CollectiveBytes() as counted:
-        F.cross_entropy(model(x.to(device)).float().flatten(0, 1), y.to(device).flatten()).backward()
+        step_loss(model, args, x, y, device).backward()
     return counted.received
 
 
@@ -146,7 +193,7 @@ def worker(rank: int, args) -> None:
         for step in steps:
             x, y = batches(args.vocab, args.batch, args.seq, step, rank, args.world_size)
             with CollectiveBytes() as counted:
-                loss = F.cross_entropy(model(x.to(device)).float().flatten(0, 1), y.to(device).flatten())
+                loss = step_loss(model, args, x, y, device)
                 loss.backward()
             opt.step()
             opt.zero_grad()
@@ -177,6 +224,7 @@ def worker(rank: int, args) -> None:
         print(f"resumed from {dtensor_fp8.latest_checkpoint(args.ckpt)}")
     last = train(model, opt, range(half, args.steps), "resumed")
     fp8_params = sum(1 for p in model.parameters() if isinstance(p.to_local(), dtensor_fp8.QuantizedTensor))
+    assert fp8_params > 0, "no FP8 parameter survived"
     if rank == 0:
         print(f"\nloss {first:.4f} at step {half} -> {last:.4f} at step {args.steps}; "
               f"{fp8_params} FP8 weight tensors stayed FP8 shards throughout")
@@ -190,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--te", action="store_true", help="Transformer Engine TransformerLayers (GPU, TE installed)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--dim", type=int, default=256)
@@ -200,6 +249,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: a temporary one)")
     args = p.parse_args(argv)
+    if args.te and args.device != "cuda":
+        p.error("--te needs --device cuda (Transformer Engine's FP8 GEMMs run on NVIDIA GPUs)")
+    if args.te and args.recipe == "mxfp8" and torch.cuda.get_device_capability() < (10, 0):
+        p.error("--te --recipe mxfp8 needs an sm_100+ GPU: TE's MXFP8 kernels are compiled only for Blackwell; "
+                "use --recipe blockwise2d, current or delayed on this GPU")
     args.ckpt = args.ckpt or tempfile.mkdtemp(prefix="dtensor_fp8_ckpt_")
     fd, args.store = tempfile.mkstemp(prefix="dtensor_fp8_store_")
     os.close(fd)
