@@ -1,0 +1,551 @@
+"""Training-step time and peak memory of a Transformer Engine TransformerLayer stack, four ways.
+
+``python -m dtensor_fp8.benchmarks te_step [--layers 4 --hidden 4096 --ffn 16384 --heads 32
+--seq 2048 --batch 2 --recipes delayed,current,blockwise2d --out DIR]``
+
+One process, one GPU, an NCCL process group of size 1 (FileStore on local disk). Model:
+``layers`` x ``te.TransformerLayer(hidden, ffn, heads, fuse_qkv_params=True, params_dtype=bf16,
+hidden_dropout=0, attention_dropout=0)`` (causal self-attention), input ``(seq, batch, hidden)``
+bf16, loss ``output.float().pow(2).mean()``. For each recipe (TE ``DelayedScaling`` /
+``Float8CurrentScaling`` / ``Float8BlockScaling`` (128x128 weights); ours ``DelayedScaling`` /
+``CurrentScaling`` / ``Blockwise(block_dims=2)``) and each variant:
+
+* (a) ``bf16_fsdp``: bf16 parameters under ``fully_shard`` (each layer, then the root), FP8
+  compute in ``te.autocast(recipe)``; ``torch.optim.Adam`` on the (bf16) parameters.
+* (b) ``te_fp8_fsdp``: TE's own FP8 parameters (``te.quantized_model_init``) under ``fully_shard``
+  (TE's ``fsdp_pre/post_all_gather``); ``torch.optim.Adam`` over FP32 master copies of the FP8
+  weights (DTensors like the parameters) plus the high-precision parameters, FP8 local shards
+  rewritten with TE's ``quantize_`` after each step (what TE's ``FusedAdam(master_weights=True)``
+  does for quantized parameters). Whether the weights are still TE FP8 tensors after
+  ``fully_shard`` (and in forward) is checked and reported: FSDP2's sharding of a TE tensor class
+  that does not implement the ops it uses (``new_zeros``, ...) silently yields bf16 shards.
+* (c) ``te_fp8_nofsdp``: the same TE FP8 parameters and masters, no ``fully_shard``
+  (like ``tests/gpu/test_te_modules.py``'s reference run).
+* (d) ``ours_fsdp``: :func:`dtensor_fp8.te.quantize_te_module_` on the bf16 model, ``fully_shard``,
+  :class:`dtensor_fp8.MasterWeightOptimizer` around ``torch.optim.Adam``; after the timed steps
+  every GEMM weight must still be a DTensor whose local shard is an FP8 :class:`QuantizedTensor`.
+
+Masters of (b), (c), (d) start from the dequantized FP8 weights (no high-precision init copies).
+Timing: ``--warmup`` steps (default 3), then ``--steps`` (default 10) steps, each between
+``torch.cuda.synchronize()`` and a pair of CUDA events around forward + backward + optimizer step
++ zero_grad (a third event after backward splits forward + backward from the optimizer); the
+median is reported. Memory: ``torch.cuda.reset_peak_memory_stats()`` at the start
+of each variant (its peak including model build: ``variant_peak``) and again after the warm-up
+(``step_peak``: the peak over the timed steps, shown in the table); everything is freed and
+``empty_cache()`` called between variants. A variant that raises (an OOM included) is recorded and
+the run goes on. The markdown table goes to stdout, the JSON (torch / TE versions, device, date,
+config) to ``--out/te_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+
+GIB = 2**30
+VARIANTS = {
+    "a": ("bf16_fsdp", "(a) bf16 params, FSDP2"),
+    "b": ("te_fp8_fsdp", "(b) TE FP8 params, FSDP2"),
+    "c": ("te_fp8_nofsdp", "(c) TE FP8 params, no FSDP"),
+    "d": ("ours_fsdp", "(d) dtensor_fp8 params, FSDP2"),
+}
+RECIPES = ("delayed", "current", "blockwise2d")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# ---- environment ------------------------------------------------------------------------------------
+def _import_te():
+    """``(namespace, None)`` or ``(None, reason)``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import transformer_engine
+            import transformer_engine.pytorch as te
+            from transformer_engine.common import recipe as te_recipe
+            from transformer_engine.pytorch.quantized_tensor import QuantizedTensor as TEQuantizedTensor
+    except Exception as e:  # noqa: BLE001  (ImportError, or a native library that fails to load)
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    version = getattr(transformer_engine, "__version__", None) or getattr(te, "__version__", "unknown")
+    return argparse.Namespace(te=te, recipe=te_recipe, TEQuantizedTensor=TEQuantizedTensor, version=version), None
+
+
+def _recipe_pair(name: str, ns):
+    """``(our codec, TE recipe factory)`` for a recipe name."""
+    import dtensor_fp8 as d
+
+    if name == "delayed":
+        return d.DelayedScaling(), lambda: ns.recipe.DelayedScaling()
+    if name == "current":
+        return d.CurrentScaling(), lambda: ns.recipe.Float8CurrentScaling()
+    if name == "blockwise2d":
+        return d.Blockwise(block_dims=2), lambda: ns.recipe.Float8BlockScaling()
+    raise KeyError(name)
+
+
+def _init_process_group(tmpdir: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tmpdir, "te_step_store"), 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    return init_device_mesh("cuda", (1,))
+
+
+# ---- model / data -----------------------------------------------------------------------------------
+def _build(ns, cfg, fp8_recipe=None):
+    """The TransformerLayer stack; with ``fp8_recipe``, inside ``te.quantized_model_init``."""
+    from contextlib import nullcontext
+
+    te = ns.te
+    torch.manual_seed(cfg.seed)
+    ctx = (te.quantized_model_init(enabled=True, recipe=fp8_recipe) if fp8_recipe is not None else nullcontext())
+    with ctx:
+        layers = [te.TransformerLayer(cfg.hidden, cfg.ffn, cfg.heads, hidden_dropout=0.0, attention_dropout=0.0,
+                                      fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda",
+                                      self_attn_mask_type="causal", layer_number=i + 1)
+                  for i in range(cfg.layers)]
+    return torch.nn.Sequential(*layers)
+
+
+def _shard(model, mesh, *, keep_attrs: bool):
+    """``fully_shard`` each layer, then the root (as TE's FSDP2 tests do, custom attributes of TE
+    parameters restored on the DTensors when ``keep_attrs``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    saved = {}
+    if keep_attrs:
+        for n, p in model.named_parameters():
+            attrs = vars(p)
+            saved[n] = {k: v for k, v in attrs.items() if not k.startswith("_")}
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if keep_attrs:
+        for n, p in model.named_parameters():
+            for k, v in saved.get(n, {}).items():
+                try:
+                    setattr(p, k, v)
+                except Exception:  # noqa: BLE001
+                    pass
+    return model
+
+
+def _local(p):
+    from torch.distributed.tensor import DTensor
+
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _like(p, local):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return local
+
+
+def _kind(t) -> str:
+    """Short description of a (local) weight: TE class name, ``QuantizedTensor[fp8]`` or its dtype."""
+    import dtensor_fp8 as d
+
+    if isinstance(t, d.QuantizedTensor):
+        dts = sorted({str(pl.data.dtype).replace("torch.", "") for pl in t._planes.values()})
+        return f"QuantizedTensor[{','.join(dts)}]"
+    name = type(t).__name__
+    if name not in ("Tensor", "Parameter"):
+        return name
+    return str(t.dtype).replace("torch.", "")
+
+
+def _weight_kinds(model) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, p in model.named_parameters():
+        if p.dim() == 2:
+            k = _kind(_local(p))
+            counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+def _forward_kind_hook(model, seen: dict):
+    """Forward pre-hooks on TE modules recording the classes of their (unsharded) 2-D weights."""
+    handles = []
+
+    def hook(m, args):
+        if seen.get("_done"):
+            return
+        for p in m.parameters(recurse=False):
+            if p.dim() == 2:
+                k = _kind(_local(p))
+                seen[k] = seen.get(k, 0) + 1
+
+    for m in model.modules():
+        if any(p.dim() == 2 for p in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(hook))
+    return handles
+
+
+class _TEMasterAdam:
+    """``torch.optim.Adam`` over FP32 masters of TE FP8 weights (DTensors where the weights are)
+    and the high-precision parameters as they are; after ``step()`` each FP8 weight (its local
+    shard under FSDP) is requantized in place from its master with TE's own quantizer."""
+
+    def __init__(self, model, te_qt_cls, lr: float):
+        self.model = model
+        self.fp8 = []
+        others = []
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                local = _local(p)
+                if isinstance(local, te_qt_cls):
+                    master = torch.nn.Parameter(_like(p, local.dequantize(dtype=torch.float32).clone()))
+                    self.fp8.append((p, master))
+                else:
+                    others.append(p)
+        self.optimizer = torch.optim.Adam([m for _, m in self.fp8] + others, lr=lr)
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in self.fp8:
+            g = p.grad
+            m.grad = None if g is None else _like(m, _local(g).float())
+        self.optimizer.step()
+        for p, m in self.fp8:
+            _local(p).quantize_(_local(m))
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+# ---- one variant ------------------------------------------------------------------------------------
+def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
+    """``(model, optimizer, notes)`` for one variant."""
+    import dtensor_fp8 as d
+    from dtensor_fp8 import te as dte
+
+    notes: dict = {}
+    expected = 4 * cfg.layers
+    if variant == "a":
+        model = _shard(_build(ns, cfg), mesh, keep_attrs=True)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        notes["weights_after_shard"] = _weight_kinds(model)
+        return model, opt, notes
+    if variant in ("b", "c"):
+        model = _build(ns, cfg, make_recipe())
+        notes["weights_after_init"] = _weight_kinds(model)
+        if variant == "b":
+            model = _shard(model, mesh, keep_attrs=True)
+            notes["weights_after_shard"] = _weight_kinds(model)
+        n_fp8 = sum(1 for p in model.parameters() if p.dim() == 2 and isinstance(_local(p), ns.TEQuantizedTensor))
+        notes["fp8_weights"] = f"{n_fp8}/{expected}"
+        if n_fp8 != expected:
+            where = "after fully_shard" if variant == "b" and "weights_after_shard" in notes else "after quantized_model_init"
+            notes["warning"] = (f"TE weights are NOT all FP8 {where}: {n_fp8}/{expected} are TE quantized tensors "
+                                f"({notes.get('weights_after_shard', notes['weights_after_init'])}); "
+                                "the others are trained as high-precision parameters")
+        opt = _TEMasterAdam(model, ns.TEQuantizedTensor, cfg.lr)
+        notes["optimizer"] = f"torch.optim.Adam over {len(opt.fp8)} FP32 masters + high-precision params; TE quantize_"
+        return model, opt, notes
+    if variant == "d":
+        model = _build(ns, cfg)
+        dte.quantize_te_module_(model, codec, keep_hp_init=False)
+        model = _shard(model, mesh, keep_attrs=False)
+        opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr)
+        notes["weights_after_shard"] = _weight_kinds(model)
+        notes["optimizer"] = repr(opt)
+        return model, opt, notes
+    raise KeyError(variant)
+
+
+def _check_ours_fp8(model, expected: int) -> tuple[bool, str]:
+    """(d): every GEMM weight is a DTensor whose local shard is an FP8 QuantizedTensor."""
+    import dtensor_fp8 as d
+    from torch.distributed.tensor import DTensor
+
+    bad, good = [], 0
+    for n, p in model.named_parameters():
+        if p.dim() != 2:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else None
+        ok = (isinstance(p, DTensor) and isinstance(local, d.QuantizedTensor)
+              and all(pl.data.dtype in FP8_DTYPES for pl in local._planes.values()))
+        if ok:
+            good += 1
+        else:
+            bad.append(f"{n}: {type(p).__name__}/{_kind(local if local is not None else p)}")
+    ok = not bad and good == expected
+    return ok, f"{good}/{expected} GEMM weights are FP8 QuantizedTensor shards" + (f"; NOT: {bad[:4]}" if bad else "")
+
+
+def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
+    te = ns.te
+    row = {"recipe": recipe_name, "variant": VARIANTS[variant][0], "key": variant}
+    codec, make_recipe = _recipe_pair(recipe_name, ns)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    row["allocated_before_gib"] = base / GIB
+    model = opt = x = None
+    handles = []
+    t_setup = time.perf_counter()
+    try:
+        model, opt, notes = _setup(variant, ns, cfg, codec, make_recipe, mesh)
+        row.update(notes)
+        torch.cuda.synchronize()
+        row["setup_s"] = time.perf_counter() - t_setup
+        row["after_setup_gib"] = torch.cuda.memory_allocated() / GIB
+        fp8_recipe = make_recipe()
+        g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
+        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+        seen: dict = {}
+        handles = _forward_kind_hook(model, seen)
+
+        def step(mid=None):
+            with te.autocast(enabled=True, recipe=fp8_recipe):
+                out = model(x)
+            loss = out.float().pow(2).mean()
+            loss.backward()
+            if mid is not None:
+                mid.record()  # forward + backward | optimizer step + zero_grad
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        losses = []
+        for _ in range(cfg.warmup):
+            losses.append(step())
+            seen["_done"] = True
+        for h in handles:
+            h.remove()
+        handles = []
+        seen.pop("_done", None)
+        row["weights_in_forward"] = seen
+        torch.cuda.synchronize()
+        row["warmup_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        torch.cuda.reset_peak_memory_stats()
+        ms, wall, fb = [], [], []
+        for _ in range(cfg.steps):
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            losses.append(step(mid))
+            end.record()
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            ms.append(start.elapsed_time(end))
+            fb.append(start.elapsed_time(mid))
+        row["step_ms"] = ms
+        row["fwd_bwd_ms"] = fb
+        row["median_fwd_bwd_ms"] = statistics.median(fb)
+        row["median_opt_ms"] = statistics.median(e - f for e, f in zip(ms, fb))
+        row["wall_ms"] = wall
+        row["median_ms"] = statistics.median(ms)
+        row["min_ms"] = min(ms)
+        row["median_wall_ms"] = statistics.median(wall)
+        row["step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        row["variant_peak_gib"] = max(row["warmup_peak_gib"], row["step_peak_gib"])
+        row["resident_gib"] = torch.cuda.memory_allocated() / GIB
+        vals = [float(v) for v in torch.stack(losses).cpu()]
+        row["loss_first"], row["loss_last"] = vals[0], vals[-1]
+        row["losses_finite"] = all(math.isfinite(v) for v in vals)
+        if not row["losses_finite"]:
+            row["warning"] = (row.get("warning", "") + "; non-finite loss").lstrip("; ")
+        if variant == "d":
+            ok, msg = _check_ours_fp8(model, 4 * cfg.layers)
+            row["fp8_shards_ok"] = ok
+            row["fp8_shards"] = msg
+            if not ok:
+                row["warning"] = (row.get("warning", "") + "; " + msg).lstrip("; ")
+        if variant in ("b", "c"):
+            row["weights_after_steps"] = _weight_kinds(model)
+        row["status"] = "ok"
+    except torch.cuda.OutOfMemoryError as e:
+        row["status"] = "OOM"
+        row["error"] = f"OutOfMemoryError: {str(e).splitlines()[0][:300]}"
+        row["traceback"] = traceback.format_exc()[-4000:]
+    except Exception as e:  # noqa: BLE001  (report, go on with the next variant)
+        row["status"] = "error"
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        row["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        for h in handles:
+            h.remove()
+        try:
+            row.setdefault("variant_peak_gib", torch.cuda.max_memory_allocated() / GIB)
+        except Exception:  # noqa: BLE001
+            pass
+        model = opt = x = step = None  # noqa: F841  (free the variant before the next)
+        gc.collect()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            row["allocated_after_free_gib"] = torch.cuda.memory_allocated() / GIB
+        except Exception as e:  # noqa: BLE001
+            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
+# ---- report -----------------------------------------------------------------------------------------
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if r.get("status") == "ok":
+        s = f"{r['median_ms']:.1f} ({r['step_peak_gib']:.2f})"
+        return s + (" ⚠" if r.get("warning") else "")
+    if r.get("status") == "OOM":
+        return "OOM"
+    return "error"
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    if a and b and a.get("status") == "ok" and b.get("status") == "ok":
+        return f"{a['median_ms'] / b['median_ms']:.3f} (mem {a['step_peak_gib'] / b['step_peak_gib']:.3f})"
+    return "-"
+
+
+def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> str:
+    by = {(r["recipe"], r["key"]): r for r in rows}
+    head = ["recipe"] + [VARIANTS[v][1] for v in variants] + ["(d)/(c) time (mem)", "(d)/(b) time (mem)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rec in recipes:
+        cells = [rec] + [_cell(by.get((rec, v))) for v in variants]
+        cells += [_ratio(by.get((rec, "d")), by.get((rec, "c"))), _ratio(by.get((rec, "d")), by.get((rec, "b")))]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("cells: median step ms (fwd+bwd+optimizer) over the timed steps (peak GiB allocated during them); "
+                 "⚠ = see notes")
+    notes = []
+    for r in rows:
+        tag = f"{r['recipe']} {VARIANTS[r['key']][1]}"
+        if r.get("status") != "ok":
+            notes.append(f"- {tag}: **{r.get('status')}**: {r.get('error')}")
+        if r.get("warning"):
+            notes.append(f"- {tag}: ⚠ {r['warning']}")
+        if r["key"] == "b" and r.get("status") == "ok":
+            notes.append(f"- {tag}: weights after fully_shard {r.get('weights_after_shard')}, in forward "
+                         f"{r.get('weights_in_forward')}")
+        if r["key"] == "d" and "fp8_shards" in r:
+            notes.append(f"- {tag}: {r['fp8_shards']}")
+    if notes:
+        lines += ["", "notes:"] + notes
+    return "\n".join(lines)
+
+
+def format_breakdown(rows: list[dict]) -> str:
+    """Where the step time goes: forward + backward vs optimizer step (+ zero_grad), medians."""
+    lines = ["| recipe | variant | step ms | fwd+bwd ms | optimizer ms | resident GiB after step |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("status") == "ok":
+            lines.append(f"| {r['recipe']} | {VARIANTS[r['key']][1]} | {r['median_ms']:.1f} | {r['median_fwd_bwd_ms']:.1f} | "
+                         f"{r['median_opt_ms']:.1f} | {r['resident_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---- main -------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks te_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated subset of {','.join(RECIPES)}")
+    p.add_argument("--variants", default="a,b,c,d", help="comma-separated subset of a (bf16, FSDP2), b (TE FP8 params, FSDP2), c (TE FP8 params, no FSDP), d (dtensor_fp8, FSDP2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")
+    args = p.parse_args(argv)
+    recipes = [r for r in args.recipes.split(",") if r]
+    variants = [v for v in args.variants.split(",") if v]
+    if set(recipes) - set(RECIPES):
+        p.error(f"unknown recipes {sorted(set(recipes) - set(RECIPES))}; choose from {list(RECIPES)}")
+    if set(variants) - set(VARIANTS):
+        p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {list(VARIANTS)}")
+    if args.hidden % args.heads:
+        p.error("--hidden must be a multiple of --heads")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1")
+
+    ns, reason = _import_te()
+    if ns is None:
+        print(f"te_step: Transformer Engine does not import here ({reason}); this benchmark needs "
+              "transformer_engine.pytorch and a CUDA GPU. Nothing was run.", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("te_step: no CUDA device; this benchmark needs a GPU. Nothing was run.", file=sys.stderr)
+        return 2
+
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    cc = torch.cuda.get_device_capability()
+    device_name = torch.cuda.get_device_name()
+    config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
+                                            "lr", "seed")}
+    print(f"# te_step: {args.layers} x TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
+          f"input {args.seq}x{args.batch}; {device_name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}; "
+          f"TE {ns.version}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        mesh = _init_process_group(tmp)
+        try:
+            for rec in recipes:
+                for v in variants:
+                    t0 = time.perf_counter()
+                    r = run_variant(v, rec, ns, args, mesh)
+                    r["variant_wall_s"] = time.perf_counter() - t0
+                    rows.append(r)
+                    msg = (f"{r['median_ms']:.2f} ms, step peak {r['step_peak_gib']:.2f} GiB"
+                           if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}")
+                    print(f"  {rec:<12} {VARIANTS[v][1]:<32} {msg}  [{r['variant_wall_s']:.1f} s]"
+                          + (f"  WARNING: {r['warning']}" if r.get("warning") else ""), flush=True)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    table = format_table(rows, recipes, variants)
+    breakdown = format_breakdown(rows)
+    print()
+    print(breakdown)
+    print()
+    print(table)
+    meta = {
+        "benchmark": "te_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name, "compute_capability": list(cc), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "transformer_engine": ns.version, "python": platform.python_version(), "config": config,
+        "recipes": recipes, "variants": {v: VARIANTS[v][1] for v in variants},
+        "timing": "median of per-step CUDA-event times (synchronize before each step) over the timed steps, after warm-up",
+        "memory": "step_peak: max_memory_allocated over the timed steps (reset after warm-up); variant_peak: from "
+                  "the start of the variant (model build included)",
+        "argv": sys.argv,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "te_step.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": rows, "table_markdown": table, "breakdown_markdown": breakdown}, f, indent=1, default=str)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
