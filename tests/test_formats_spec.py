@@ -684,3 +684,20 @@ def test_delayed_quantize_with_given_scale(fp8):
     assert_f32_equal(bufs["_scale_inv"], [f32(1.0 / s)])
     if fp8 == torch.float8_e4m3fn:
         assert (bufs["_data"].view(fp8).float().abs() == 448).any()  # saturated, not NaN
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("make", [lambda f: d.CurrentScaling(fp8_dtype=f), lambda f: d.DelayedScaling(fp8_dtype=f),
+                                  lambda f: d.Blockwise(block_dims=1, fp8_dtype=f), lambda f: d.Blockwise(block_dims=2, fp8_dtype=f),
+                                  lambda f: d.MXFP8(fp8_dtype=f)], ids=["current", "delayed", "block1d", "block2d", "mxfp8"])
+def test_nan_is_written_as_te_canonical_byte(make, fp8_dtype):
+    """TE (H200, both FP8 formats) writes 0x7F for every NaN, whatever its sign; so must we on any
+    device (torch's CPU cast alone would write 0xFF for -NaN)."""
+    x = torch.full((64, 128), 0.5)
+    x[0, 0], x[0, 1], x[5, 7] = float("nan"), -float("nan"), 2.0
+    q = d.quantize(x, make(fp8_dtype))
+    for usage in q.usages:
+        raw = q.plane(usage).data.view(torch.uint8)
+        assert raw[0, 0].item() == 0x7F and raw[0, 1].item() == 0x7F, usage
+        nan_bytes = (raw.bitwise_and(0x7F) == 0x7F)
+        assert nan_bytes.sum().item() == 2, usage  # no finite value was turned into NaN
