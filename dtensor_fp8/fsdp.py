@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -124,6 +125,19 @@ def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
     return q.codec.block_shape(usage).extent(0) is not None
 
 
+class _GatherMetadata(NamedTuple):
+    """What ``fsdp_post_all_gather`` needs to rebuild the planes from FSDP's output buffers."""
+
+    usages: tuple[str, ...]  # usages the gathered tensor serves
+    stored: tuple[str, ...]  # planes sent, in order (data, then scale where blocks lie along dim 0)
+    shared_scales: dict  # per-tensor scales: identical on every rank, not sent
+    padded_rows: int  # rows of each rank's (padded) shard
+    world: int
+    packed_layout: list | None  # one-rank packing of all parts into one input (see below)
+    te_view: Callable | None  # TE adapter hook of the owning module (te.py)
+    orig_rows: int  # rows of the unpadded full weight
+
+
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     world = mesh.size()
     usages = fsdp_gather_usages()
@@ -153,16 +167,16 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             inputs.append(padded)
         else:
             shared_scales[usage] = plane.scale_inv
-    metadata = (usages, stored, shared_scales, padded_rows, world, None)
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
     te_view = getattr(module, "_dtensor_fp8_te_view", None)
+    metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0])
     if world == 1 and len(inputs) > 1:
         # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
         # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
         layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
         packed = torch.cat([_pad_bytes(t) for t in inputs])
-        return (packed,), metadata[:-1] + (layout, (te_view, outer_size[0]))
-    return tuple(inputs), metadata + ((te_view, outer_size[0]),)
+        return (packed,), metadata._replace(packed_layout=layout)
+    return tuple(inputs), metadata
 
 
 def _padded_nbytes(t: torch.Tensor) -> int:
@@ -179,17 +193,14 @@ def _pad_bytes(t: torch.Tensor) -> torch.Tensor:
 def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
     parts, offset = [], 0
     for dtype, shape, nbytes in layout:
-        numel = 1
-        for s in shape:
-            numel *= s
-        part = packed[offset : offset + numel * torch.empty((), dtype=dtype).element_size()]
+        part = packed[offset : offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
         parts.append(part.view(dtype).view(shape))
         offset += nbytes
     return parts
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows, world, packed_layout, (te_view, orig_rows) = metadata
+    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     full_rows = padded_rows * world
