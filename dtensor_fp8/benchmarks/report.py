@@ -2,9 +2,10 @@
 JSON and one PNG.
 
 Runs the FSDP2 wire-bytes / memory measurement (``fsdp.py``) on ``--world-size`` ranks of this
-machine (CPU/gloo, or CUDA/NCCL where GPUs are present) and the codec throughput benchmark
-(``codec.py``) on this device; codec results of another machine (e.g. the H200 run recorded in
-``docs/benchmarks.md``) can be merged with ``--codec-json``. Writes ``--out/report.json`` and, when
+machine (CPU/gloo, or CUDA/NCCL where GPUs are present), the codec throughput benchmark
+(``codec.py``) on this device and, where CUDA and Transformer Engine are present, the TE training
+step benchmark (``te_step.py``); results of another machine (e.g. the H200 runs recorded in
+``docs/benchmarks.md``) can be merged with ``--codec-json`` / ``--te-step-json``. Writes ``--out/report.json`` and, when
 matplotlib is installed (``pip install dtensor_fp8[bench]``), ``--out/report.png``.
 """
 
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from . import codec, fsdp
+from . import codec, fsdp, te_step
 
 
 def plot(report: dict, path: str) -> bool:
@@ -30,7 +31,8 @@ def plot(report: dict, path: str) -> bool:
         return False
     results = report["fsdp"]["results"]
     names = [r["variant"] for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    steps = report.get("te_step", {})
+    fig, axes = plt.subplots(1, 4 if steps else 3, figsize=(21 if steps else 16, 4.5))
     ax = axes[0]
     ax.bar(names, [r["wire_bytes_per_param_step"] for r in results], color=["gray"] + ["tab:blue"] * (len(names) - 1))
     ax.set_title("FSDP2 all-gather bytes / parameter / step")
@@ -47,6 +49,10 @@ def plot(report: dict, path: str) -> bool:
         rows = [r for r in data["results"] if r.get("input_gbps") and r["impl"] in ("ours", "te")]
         ax.barh([f"{r['recipe']} {r['impl']} ({label})" for r in rows], [r["input_gbps"] for r in rows])
     ax.set_title("quantize GB/s (input read)")
+    for label, data in steps.items():
+        rows = [x for x in data["results"] if x.get("status") == "ok"]
+        axes[3].barh([f"{x['recipe']} ({x['key']}) {label}" for x in rows], [x["median_ms"] for x in rows])
+        axes[3].set_title("TE layers, ms/step: (a) bf16 (b) TE (c) no FSDP (d) ours")
     for a in axes[:2]:
         a.tick_params(axis="x", rotation=30)
     fig.tight_layout()
@@ -59,6 +65,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--codec-json", action="append", default=[], help="extra codec.json files to include")
+    p.add_argument("--te-step-json", action="append", default=[], help="extra te_step.json files to include")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
@@ -70,6 +77,13 @@ def main(argv: list[str]) -> int:
     for extra in args.codec_json:
         data = json.load(open(extra))
         report["codec"][data["meta"]["device"]] = data
+    report["te_step"] = {}
+    if torch.cuda.is_available():  # te_step prints why and returns 2 where TE is missing
+        if te_step.main(["--out", args.out]) == 0:
+            data = json.load(open(os.path.join(args.out, "te_step.json")))
+            report["te_step"]["this machine"] = data
+    for extra in args.te_step_json:
+        report["te_step"][os.path.basename(os.path.dirname(os.path.abspath(extra))) or extra] = json.load(open(extra))
     path = os.path.join(args.out, "report.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
