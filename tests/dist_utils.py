@@ -71,10 +71,12 @@ class RankPool:
         for p in self._procs:
             p.start()
         self.alive = True
+        self.runs = 0
 
     def run(self, fn, *args, timeout: float = 240.0) -> list:
         """Run ``fn(*args)`` on every rank; return the per-rank results or raise the ranks' errors."""
         assert self.alive, "pool was torn down after an earlier failure"
+        self.runs += 1
         for q in self._tasks:
             q.put((fn, args))
         results, errors = {}, {}
@@ -112,11 +114,20 @@ class RankPool:
 
 
 class Pools:
+    """One :class:`RankPool` per world size, replaced after a failure and every ``MAX_RUNS`` runs:
+    each test builds its own meshes, and on a multi-dim mesh every ``init_device_mesh`` creates new
+    gloo subgroups (sockets and threads) that live as long as the process, so a long-lived rank
+    accumulates hundreds of them; fresh processes keep that bounded."""
+
+    MAX_RUNS = 25
+
     def __init__(self):
         self._pools: dict[int, RankPool] = {}
 
     def __getitem__(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
+        if pool is not None and pool.alive and pool.runs >= self.MAX_RUNS:
+            pool.close()
         if pool is None or not pool.alive:
             pool = self._pools[world_size] = RankPool(world_size)
         return pool
