@@ -35,13 +35,10 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.tensor import DTensor, Replicate
 
 from .formats.base import Plane, RecipeError
+from .placement import like, local_tensor
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 _RECIPE_KEY = "recipe"
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _scale_placements(param: DTensor, codec, usage):
@@ -56,15 +53,14 @@ def _scale_placements(param: DTensor, codec, usage):
 
 def plane_entries(param: torch.Tensor) -> dict:
     """The state-dict entry of one FP8 parameter: its planes as plain/DTensor copies + recipe."""
-    q = _local(param)
+    q = local_tensor(param)
     entry = {_RECIPE_KEY: repr(q.codec)}
     for usage, plane in q._planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
         if isinstance(param, DTensor):
             grid = q.codec.block_shape(usage).grid(tuple(param.shape))
-            data = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
-                                      shape=param.shape, stride=param.stride())
+            data = like(param, data)
             scale = DTensor.from_local(scale, param.device_mesh, _scale_placements(param, q.codec, usage),
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
         entry[f"{usage}_data"] = data
@@ -73,7 +69,7 @@ def plane_entries(param: torch.Tensor) -> dict:
 
 
 def _fp8_params(module):
-    return [(name, p) for name, p in module.named_parameters(recurse=False) if isinstance(_local(p), QuantizedTensor)]
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if isinstance(local_tensor(p), QuantizedTensor)]
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
@@ -86,7 +82,7 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
 def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     """Validate a saved FP8 entry against the model's parameter and rebuild it (same class and
     sharding as ``param``) so ``load_state_dict``'s ``copy_`` moves exact bytes."""
-    q = _local(param)
+    q = local_tensor(param)
     saved = entry.get(_RECIPE_KEY)
     if saved != repr(q.codec):
         raise RecipeError(
@@ -98,18 +94,14 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         missing = [k for k in (f"{usage}_data", f"{usage}_scale_inv") if k not in entry]
         if missing:
             raise RecipeError(f"{name}: checkpoint entry lacks {missing} (has {sorted(entry)}); the model needs the {usage} plane")
-        data, scale = _local(entry[f"{usage}_data"]), _local(entry[f"{usage}_scale_inv"])
+        data, scale = local_tensor(entry[f"{usage}_data"]), local_tensor(entry[f"{usage}_scale_inv"])
         if data.shape != plane.data.shape or scale.shape != plane.scale_inv.shape:
             raise RecipeError(
                 f"{name}: {usage} plane of shape {tuple(data.shape)} / scales {tuple(scale.shape)} in the checkpoint, "
                 f"model expects {tuple(plane.data.shape)} / {tuple(plane.scale_inv.shape)} (block geometry mismatch)"
             )
         planes[usage] = Plane(data.view(plane.data.dtype), scale.view(plane.scale_inv.dtype))
-    rebuilt = QuantizedTensor(planes, q.codec, q.shape, q.dtype, q.usages)
-    if isinstance(param, DTensor):
-        return DTensor.from_local(rebuilt, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return rebuilt
+    return like(param, QuantizedTensor(planes, q.codec, q.shape, q.dtype, q.usages))
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -118,7 +110,7 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_k
         entry = state_dict.get(key)
         if isinstance(entry, dict):
             state_dict[key] = entry_to_param(entry, p, key)
-        elif entry is not None and not isinstance(_local(entry), QuantizedTensor):
+        elif entry is not None and not isinstance(local_tensor(entry), QuantizedTensor):
             raise RecipeError(
                 f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
                 "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
@@ -149,11 +141,10 @@ def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) 
     """
     out = {}
     for name, p in model.named_parameters():
-        q = _local(p)
+        q = local_tensor(p)
         if isinstance(q, QuantizedTensor):
             hp = q.dequantize(dtype)
-            out[name] = (DTensor.from_local(hp, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-                         if isinstance(p, DTensor) else hp)
+            out[name] = like(p, hp)
         else:
             out[name] = p.detach()
     for name, b in model.named_buffers():
@@ -184,14 +175,14 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
         if name not in state_dict:
             raise KeyError(f"load_hp_state_dict: {name} missing from the state dict")
         src = state_dict[name]
-        local = _local(src) if isinstance(src, DTensor) else _local_slice(src, p)
-        local = local.to(device=_local(p).device)
-        if isinstance(_local(p), QuantizedTensor):
+        local = local_tensor(src) if isinstance(src, DTensor) else _local_slice(src, p)
+        local = local.to(device=local_tensor(p).device)
+        if isinstance(local_tensor(p), QuantizedTensor):
             items.append((name, p, local.float()))
             if name in masters:
-                _local(masters[name]).copy_(local)
+                local_tensor(masters[name]).copy_(local)
         else:
-            _local(p).copy_(local)
+            local_tensor(p).copy_(local)
     requantize_from_hp_(items)
 
 
@@ -336,7 +327,4 @@ def _unreadable_entries(state_dict: dict, path: str) -> list[str]:
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor):
-        return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
-    return t.clone()
+    return like(t, local_tensor(t).clone())

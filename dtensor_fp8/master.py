@@ -17,12 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .module import HP_INIT_ATTR
-from .placement import shard_dim
+from .placement import like, local_tensor, shard_dim
 from .tensor import QuantizedTensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _sharded_dims(p: torch.Tensor) -> set[int]:
@@ -30,12 +26,6 @@ def _sharded_dims(p: torch.Tensor) -> set[int]:
     if not isinstance(p, DTensor):
         return set()
     return {d for d in map(shard_dim, p.placements) if d is not None}
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return local
 
 
 def _local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -64,7 +54,7 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
     """
     jobs, spanning = [], []
     for name, p, hp in items:
-        q = _local(p)
+        q = local_tensor(p)
         for usage in q._planes:
             amax = q.codec.block_amax(hp, usage)
             reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
@@ -119,7 +109,7 @@ class MasterWeightOptimizer:
         self.fp8_params: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         params = []
         for name, p in model.named_parameters():
-            local = _local(p)
+            local = local_tensor(p)
             if not isinstance(local, QuantizedTensor):
                 params.append(p)
                 continue
@@ -128,7 +118,7 @@ class MasterWeightOptimizer:
                 master_local = _local_slice(init, p).to(device=local.device, dtype=torch.float32).clone()
             else:
                 master_local = local.dequantize(torch.float32)
-            master = nn.Parameter(_like(p, master_local))
+            master = nn.Parameter(like(p, master_local))
             self.fp8_params.append((name, p, master))
             params.append(master)
         self.optimizer = optimizer_cls(params, **optimizer_kwargs)
@@ -150,14 +140,14 @@ class MasterWeightOptimizer:
             if g is None:
                 master.grad = None
                 continue
-            master.grad = _like(master, _local(g).to(torch.float32))
+            master.grad = like(master, local_tensor(g).to(torch.float32))
         self.optimizer.step()
         self.requantize_()
 
     @torch.no_grad()
     def requantize_(self) -> None:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
-        requantize_from_hp_([(name, p, _local(master)) for name, p, master in self.fp8_params], self.scaling_states)
+        requantize_from_hp_([(name, p, local_tensor(master)) for name, p, master in self.fp8_params], self.scaling_states)
 
     def _names_in_order(self) -> list[str]:
         by_id = {id(m): name for name, _, m in self.fp8_params}
@@ -181,8 +171,8 @@ class MasterWeightOptimizer:
         for p, g in zip(params, saved):
             p.grad = g
         for name, p, _ in self.fp8_params:
-            for usage, plane in _local(p)._planes.items():
-                state = _local(p).codec.initial_scaling_state(plane)
+            for usage, plane in local_tensor(p)._planes.items():
+                state = local_tensor(p).codec.initial_scaling_state(plane)
                 if state is not None:
                     self.scaling_states.setdefault((name, usage), state)
 
@@ -205,7 +195,7 @@ class MasterWeightOptimizer:
         for name, _, m in self.fp8_params:
             if name not in state["masters"]:
                 raise KeyError(f"MasterWeightOptimizer.load_state_dict: no master for {name}")
-            _local(m).copy_(_local(state["masters"][name]))
+            local_tensor(m).copy_(local_tensor(state["masters"][name]))
         self.optimizer.load_state_dict({
             "state": {index[n]: s for n, s in state["state"].items()},
             "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],

@@ -8,6 +8,8 @@ a boundary that would split a block (``RecipeError``) instead of falling back to
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  (defines _c10d_functional._wrap_tensor_autograd)
+import torch.distributed.tensor._collective_utils  # noqa: F401  (defines _dtensor.shard_dim_alltoall)
 
 from .formats.base import ROWWISE, Plane, RecipeError
 from .tensor import QuantizedTensor, one_byte_as_uint8
@@ -62,6 +64,14 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     shape = list(q.shape)
     shape[dim] = end - start
     return q._rebuild(planes, shape=shape)
+
+
+def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> QuantizedTensor:
+    """Piece ``index`` of ``q`` cut along ``dim`` by torch's chunk rule (what ``Shard(dim)`` holds)."""
+    size = q.shape[dim]
+    chunk = -(-size // num_chunks)
+    start = min(index * chunk, size)
+    return slice_quantized(q, dim, start, min(start + chunk, size))
 
 
 @implements([aten.slice.Tensor])
@@ -341,18 +351,8 @@ def _shard_dim_alltoall(func, args, kwargs):
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)  # 2.13 / 2.11 name
-    full = gather(q, gather_dim, group)
-    size = full.shape[shard_dim]
-    chunk = -(-size // world)
-    start = min(rank * chunk, size)
-    return slice_quantized(full, shard_dim, start, min(start + chunk, size))
+    return chunk_of(gather(q, gather_dim, group), shard_dim, world, rank)
 
-
-# funcol defines `_wrap_tensor_autograd` (a custom op) when it is imported; import it first.
-import torch.distributed._functional_collectives  # noqa: E402,F401
-
-
-import torch.distributed.tensor._collective_utils  # noqa: E402,F401  (defines _dtensor ops)
 
 if hasattr(torch.ops._dtensor, "shard_dim_alltoall"):
     QUANTIZED_OPS[torch.ops._dtensor.shard_dim_alltoall.default] = _shard_dim_alltoall

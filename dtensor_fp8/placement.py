@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .formats.base import USAGES, Codec, RecipeError
-from .ops import slice_quantized
+from .ops import chunk_of
 from .quantize import quantize
 from .tensor import QuantizedTensor
 
@@ -37,6 +37,19 @@ def shard_dim(placement: Placement) -> int | None:
     if isinstance(placement, (Shard, _StridedShard)) or placement.is_shard():
         return placement.dim
     return None
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor laid out like ``ref`` (mesh, placements, global shape and stride);
+    ``local`` itself when ``ref`` is not a DTensor."""
+    if not isinstance(ref, DTensor):
+        return local
+    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
 
 
 def shard_boundaries(size: int, num_chunks: int) -> list[int]:
@@ -91,11 +104,7 @@ def local_shard(q: QuantizedTensor, mesh: DeviceMesh, placements) -> QuantizedTe
     coord = mesh.get_coordinate()
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Shard) and type(p) is Shard:
-            n, i = mesh.size(mesh_dim), coord[mesh_dim]
-            size = local.shape[p.dim]
-            chunk = -(-size // n)
-            start = min(i * chunk, size)
-            local = slice_quantized(local, p.dim, start, min(start + chunk, size))
+            local = chunk_of(local, p.dim, mesh.size(mesh_dim), coord[mesh_dim])
         elif not isinstance(p, Replicate):
             raise RecipeError(f"dtensor_fp8.distribute supports Shard(dim) and Replicate() placements, got {p}")
     return local
@@ -160,6 +169,4 @@ def for_usage(dt: DTensor, *usages: str) -> DTensor:
     local = dt.to_local()
     if not isinstance(local, QuantizedTensor):
         raise RecipeError(f"for_usage: DTensor of shape {tuple(dt.shape)} does not hold a QuantizedTensor")
-    return DTensor.from_local(
-        local.with_usages(*usages), dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
-    )
+    return like(dt, local.with_usages(*usages))
