@@ -247,16 +247,15 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    _check_against_metadata(state_dict, path)
     # Optimizer state dicts hold references to live tensors: read into copies, and write them back
     # only once every entry has been read, so a failing load changes nothing.
     flat, _ = flatten_state_dict(state_dict)
+    _check_against_metadata(flat, path)
     copies = {k: _clone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
     try:
         dcp.load(copies, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
     except (Exception, CheckpointException) as err:  # name the entries that cannot be read
-
-        bad = _unreadable_entries(state_dict, path)
+        bad = _unreadable_entries(flat, path)
         raise RuntimeError(
             f"checkpoint {path} could not be loaded; unreadable entries: {bad or 'unknown'}. The model was not "
             f"modified. Cause: {type(err).__name__}: {str(err)[:500]}"
@@ -277,12 +276,11 @@ class _CaptureBytes(dcp.DefaultLoadPlanner):
         self.captured[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-def _check_against_metadata(state_dict: dict, path: str) -> None:
-    """Recipe, presence and shape of every entry, checked before any tensor is read."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+def _check_against_metadata(flat: dict, path: str) -> None:
+    """Recipe, presence and shape of every entry of a flattened state dict, checked before any
+    tensor is read."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    flat, _ = flatten_state_dict(state_dict)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     recipes = {k: v for k, v in flat.items() if k.endswith("." + _RECIPE_KEY)}
     if recipes:
@@ -310,10 +308,7 @@ def _check_against_metadata(state_dict: dict, path: str) -> None:
             raise RecipeError(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} in the model")
 
 
-def _unreadable_entries(state_dict: dict, path: str) -> list[str]:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(state_dict)
+def _unreadable_entries(flat: dict, path: str) -> list[str]:
     bad = []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
