@@ -14,7 +14,7 @@
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
 (only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
-the metadata). FSDP sizes its all-gather outputs once, at the first gather, and every later gather
+the metadata, as every scale does on a one-rank mesh, where the "gather" is a local copy). FSDP sizes its all-gather outputs once, at the first gather, and every later gather
 must hand over the same number of inputs with the same dtypes and numels, or it silently resizes
 them ("An output ... was resized") and corrupts the data. Forward (rowwise) and backward
 (columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
@@ -62,7 +62,21 @@ def _current_param_group():
     return None
 
 
+_CHECKPOINTING_ATTR = "_dtensor_fp8_uses_checkpointing"
+
+
 def _uses_activation_checkpointing(group) -> bool:
+    """Whether activation checkpointing runs under ``group``'s modules; found once per group (the
+    walk over every submodule is the costliest part of a gather's bookkeeping). Apply
+    checkpointing before the first forward, as torch's own FSDP2 + checkpoint recipes do."""
+    cached = getattr(group, _CHECKPOINTING_ATTR, None)
+    if cached is None:
+        cached = _find_activation_checkpointing(group)
+        setattr(group, _CHECKPOINTING_ATTR, cached)
+    return cached
+
+
+def _find_activation_checkpointing(group) -> bool:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     try:
@@ -160,7 +174,7 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     for usage in stored:
         plane = local._planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
-        if _gathers_scale(local, usage):
+        if world > 1 and _gathers_scale(local, usage):
             scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
             padded = scale.new_zeros(slot)
             padded[: scale.numel()] = scale
@@ -210,7 +224,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         fp8_dtype = self._planes[usage].data.dtype if usage in self._planes else self.codec.fp8_dtype
         data = outputs[i].view(full_rows, k).view(fp8_dtype)
         i += 1
-        if _gathers_scale(self, usage):
+        if usage not in shared_scales:
             gr, gc = self.codec.block_shape(usage).grid((padded_rows, k))
             scale_dtype = self.codec.scale_inv_dtype
             raw = outputs[i].view(world, -1)

@@ -56,8 +56,10 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
     for name, p, hp in items:
         q = local_tensor(p)
         for usage in q._planes:
-            amax = q.codec.block_amax(hp, usage)
+            # Only blocks that span a sharded dim need their amax now (to reduce it); the codec
+            # computes the others itself, fused into its quantization where it can.
             reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
+            amax = q.codec.block_amax(hp, usage) if reduce else None
             if reduce:
                 spanning.append(amax.reshape(-1))
             jobs.append((name, q, hp, usage, amax, reduce))

@@ -5,8 +5,11 @@
 For one ``N x N`` input (default 8192 x 8192 bf16 on CUDA, 1024 x 1024 on CPU) and each recipe,
 times quantization producing both the rowwise and the columnwise usage:
 
-* ``ours``: :func:`dtensor_fp8.quantize` (stored planes in the logical orientation; per-tensor and
-  128x128 recipes store one plane, TE's transpose is not built);
+* ``ours``: :func:`dtensor_fp8.quantize` with the codecs' pure-torch reference (stored planes in
+  the logical orientation; per-tensor and 128x128 recipes store one plane, TE's transpose is not
+  built);
+* ``ours_te_kernels``: the same call with the codecs' TE-kernel fast path (``formats/te_kernels.py``:
+  CUDA with TE present; per-tensor and blockwise recipes), checked byte for byte against ``ours``;
 * ``ours+te_layout``: the same followed by :func:`dtensor_fp8.te_layout` (TE's physical buffers:
   transposed copies, padded scales), i.e. the same bytes TE's kernels write;
 * ``te``: TE's quantizer (``quantizer(x)``), where TE imports and runs that recipe on this device
@@ -36,6 +39,7 @@ import warnings
 import torch
 
 import dtensor_fp8 as d
+from dtensor_fp8.formats import te_kernels
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MIN_REPS, _MIN_BUFFERS = 20, 3
@@ -229,11 +233,20 @@ def main(argv: list[str] | None = None) -> int:
         kw = {"scale": torch.tensor(_DELAYED_SCALE, device=device)} if isinstance(recipe, d.DelayedScaling) else {}
         ours = lambda x, r=recipe, kw=kw: d.quantize(x, r, rowwise=True, columnwise=True, **kw)  # noqa: E731
         try:
-            rows.append(_row(name, "ours", time_calls(ours, inputs, **timing), in_bytes, copy_gbps))
-            rows.append(_row(name, "ours+te_layout", time_calls(lambda x, f=ours: d.te_layout(f(x)), inputs, **timing), in_bytes, copy_gbps))
+            with te_kernels.reference_only():
+                rows.append(_row(name, "ours", time_calls(ours, inputs, **timing), in_bytes, copy_gbps))
+                rows.append(_row(name, "ours+te_layout", time_calls(lambda x, f=ours: d.te_layout(f(x)), inputs, **timing), in_bytes, copy_gbps))
+                reference = ours(inputs[0])
         except Exception as e:  # noqa: BLE001
             rows.append(_row(name, "ours", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
             continue
+        if te_kernels.usable(inputs[0]) and not isinstance(recipe, d.MXFP8):
+            try:
+                ms = time_calls(ours, inputs, **timing)
+                exact = _bit_exact(d.te_layout(reference), d.te_layout(ours(inputs[0])), shape, recipe)
+                rows.append(_row(name, "ours_te_kernels", ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
+            except Exception as e:  # noqa: BLE001
+                rows.append(_row(name, "ours_te_kernels", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
         if te_ns is None:
             rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {te_reason}"))
             continue
@@ -243,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             ms = time_calls(_te_call(quantizer), inputs, **timing)
-            ref = d.te_layout(ours(inputs[0]))
+            ref = d.te_layout(reference)
             exact = _bit_exact(ref, _te_buffers(_te_call(quantizer)(inputs[0]), ref), shape, recipe)
             rows.append(_row(name, "te", ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
         except Exception as e:  # noqa: BLE001

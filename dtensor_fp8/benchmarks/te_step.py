@@ -203,7 +203,7 @@ class _TEMasterAdam:
     and the high-precision parameters as they are; after ``step()`` each FP8 weight (its local
     shard under FSDP) is requantized in place from its master with TE's own quantizer."""
 
-    def __init__(self, model, te_qt_cls, lr: float):
+    def __init__(self, model, te_qt_cls, lr: float, adam_kwargs: dict):
         self.model = model
         self.fp8 = []
         others = []
@@ -215,7 +215,7 @@ class _TEMasterAdam:
                     self.fp8.append((p, master))
                 else:
                     others.append(p)
-        self.optimizer = torch.optim.Adam([m for _, m in self.fp8] + others, lr=lr)
+        self.optimizer = torch.optim.Adam([m for _, m in self.fp8] + others, lr=lr, **adam_kwargs)
 
     @torch.no_grad()
     def step(self):
@@ -231,6 +231,11 @@ class _TEMasterAdam:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def _adam_kwargs(cfg) -> dict:
+    """The same ``torch.optim.Adam`` implementation for every variant (``--adam``)."""
+    return {"fused": True} if cfg.adam == "fused" else {"foreach": True}
+
+
 # ---- one variant ------------------------------------------------------------------------------------
 def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
     """``(model, optimizer, notes)`` for one variant."""
@@ -241,7 +246,7 @@ def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
     expected = 4 * cfg.layers
     if variant == "a":
         model = _shard(_build(ns, cfg), mesh, keep_attrs=True)
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, **_adam_kwargs(cfg))
         notes["weights_after_shard"] = _weight_kinds(model)
         return model, opt, notes
     if variant in ("b", "c"):
@@ -257,14 +262,14 @@ def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
             notes["warning"] = (f"TE weights are NOT all FP8 {where}: {n_fp8}/{expected} are TE quantized tensors "
                                 f"({notes.get('weights_after_shard', notes['weights_after_init'])}); "
                                 "the others are trained as high-precision parameters")
-        opt = _TEMasterAdam(model, ns.TEQuantizedTensor, cfg.lr)
+        opt = _TEMasterAdam(model, ns.TEQuantizedTensor, cfg.lr, _adam_kwargs(cfg))
         notes["optimizer"] = f"torch.optim.Adam over {len(opt.fp8)} FP32 masters + high-precision params; TE quantize_"
         return model, opt, notes
     if variant == "d":
         model = _build(ns, cfg)
         dte.quantize_te_module_(model, codec, keep_hp_init=False)
         model = _shard(model, mesh, keep_attrs=False)
-        opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr)
+        opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, **_adam_kwargs(cfg))
         notes["weights_after_shard"] = _weight_kinds(model)
         notes["optimizer"] = repr(opt)
         return model, opt, notes
@@ -362,6 +367,8 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         row["step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         row["variant_peak_gib"] = max(row["warmup_peak_gib"], row["step_peak_gib"])
         row["resident_gib"] = torch.cuda.memory_allocated() / GIB
+        if cfg.profile:
+            row["profile"] = _profile(step, cfg, f"{recipe_name}_{VARIANTS[variant][0]}")
         vals = [float(v) for v in torch.stack(losses).cpu()]
         row["loss_first"], row["loss_last"] = vals[0], vals[-1]
         row["losses_finite"] = all(math.isfinite(v) for v in vals)
@@ -400,6 +407,39 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         except Exception as e:  # noqa: BLE001
             row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
     return row
+
+
+def _profile(step, cfg, tag: str, n_steps: int = 2) -> dict:
+    """``torch.profiler`` over ``n_steps`` more steps: the kernel and CPU-op tables go to
+    ``--out/profile_<tag>.txt``; returned: GPU-busy time per step (sum of kernel self times) next
+    to the step's CUDA-event time, so CPU-bound gaps show as busy < step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(n_steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def device_self(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    busy_us = sum(device_self(e) for e in events)
+    sort_dev = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    path = os.path.join(cfg.out, f"profile_{tag}.txt")
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"# {tag}: {n_steps} steps, {start.elapsed_time(end):.2f} ms (CUDA events), "
+                f"GPU busy {busy_us / 1e3:.2f} ms\n\n")
+        f.write(events.table(sort_by=sort_dev, row_limit=40, max_name_column_width=90))
+        f.write("\n\n# by self CPU time\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
+    return {"steps": n_steps, "ms_per_step": start.elapsed_time(end) / n_steps,
+            "gpu_busy_ms_per_step": busy_us / 1e3 / n_steps, "table": path}
 
 
 # ---- report -----------------------------------------------------------------------------------------
@@ -472,7 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--adam", choices=("fused", "foreach"), default="fused",
+                   help="torch.optim.Adam implementation used by every variant (default fused: one CUDA kernel)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
+                   "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
     p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")
     args = p.parse_args(argv)
     recipes = [r for r in args.recipes.split(",") if r]
@@ -501,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     cc = torch.cuda.get_device_capability()
     device_name = torch.cuda.get_device_name()
     config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
-                                            "lr", "seed")}
+                                            "lr", "seed", "adam")}
     print(f"# te_step: {args.layers} x TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
           f"input {args.seq}x{args.batch}; {device_name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}; "
           f"TE {ns.version}", flush=True)

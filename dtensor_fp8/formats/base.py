@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import te_kernels
+
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
 USAGES = (ROWWISE, COLUMNWISE)
@@ -238,7 +240,7 @@ class Codec(abc.ABC):
     # ---- transpose cache (TE's physical layout for transpose-derived recipes) -------------------
     def transpose_cache(self, plane: Plane) -> torch.Tensor:
         """TE's transposed FP8 copy of a plane's data, ``(K, M)`` contiguous."""
-        return plane.data.t().contiguous()
+        return transpose_2d(plane.data)
 
     def __repr__(self) -> str:  # dataclass subclasses override
         return f"{type(self).__name__}()"
@@ -283,8 +285,27 @@ def te_data(data2d: torch.Tensor, shape, *, transposed: bool) -> torch.Tensor:
     """FP8 data as TE stores it, uint8: ``shape``, or ``(K, *leading)`` for a transposed copy."""
     u8 = data2d.view(torch.uint8)
     if transposed:
-        return u8.t().contiguous().reshape(shape[-1], *shape[:-1])
+        return transpose_2d(u8).reshape(shape[-1], *shape[:-1])
     return u8.reshape(shape)
+
+
+def transpose_2d(data: torch.Tensor) -> torch.Tensor:
+    """``data.t().contiguous()`` for a 2-D one-byte (FP8 / uint8) tensor; TE's transpose kernel on CUDA."""
+    if te_kernels.usable(data):
+        return te_kernels.transpose_bytes(data.view(torch.uint8)).view(data.dtype)
+    return data.t().contiguous()
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides. ``contiguous()`` keeps odd strides on size-1 dims (e.g. the
+    transpose of a ``(1, n)`` slice), which ``view(dtype)`` to another element size rejects."""
+    expected, step = [], 1
+    for n in reversed(t.shape):
+        expected.append(step)
+        step *= max(n, 1)
+    if list(t.stride()) == expected[::-1]:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, pad_2d, round_up, te_data
+from . import te_kernels
+from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data, transpose_2d
 from .per_tensor import _check_fp8_dtype
 from .scaling import reciprocal, scale_from_amax
 
@@ -73,6 +74,15 @@ class Blockwise(Codec):
         )
         return scale, reciprocal(scale)
 
+    def quantize_plane(self, hp, usage, *, amax=None, scale=None):
+        if amax is None and scale is None and te_kernels.usable(hp):  # same bytes, one pass (te_kernels.py)
+            stored = self.stored_usage(usage)
+            buffers = te_kernels.blockwise_quantize(
+                hp, block_dims=self.block_dims, fp8_dtype=self.fp8_dtype, force_pow_2_scales=self.force_pow_2_scales,
+                amax_epsilon=self.amax_epsilon, rowwise=stored == ROWWISE, columnwise=stored == COLUMNWISE)
+            return self.from_te_layout(buffers, tuple(hp.shape))[stored]
+        return super().quantize_plane(hp, usage, amax=amax, scale=scale)
+
     def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE)):
         m, k = as_matrix_shape(shape)
         out = {}
@@ -106,10 +116,10 @@ class Blockwise(Codec):
         if buffers.get("_rowwise_data") is not None:
             s = buffers["_rowwise_scale_inv"]
             scale_inv = s[:gk, :m].t() if self.block_dims == 1 else s[:gm, :gk]
-            planes[ROWWISE] = Plane(buffers["_rowwise_data"].view(self.fp8_dtype).reshape(m, k), scale_inv.contiguous())
+            planes[ROWWISE] = Plane(buffers["_rowwise_data"].view(self.fp8_dtype).reshape(m, k), dense(scale_inv))
         if buffers.get("_columnwise_data") is not None and (self.block_dims == 1 or ROWWISE not in planes):
             s = buffers["_columnwise_scale_inv"]
             scale_inv = s[:gm, :k] if self.block_dims == 1 else s[:gk, :gm].t()
-            data = buffers["_columnwise_data"].view(self.fp8_dtype).reshape(k, m).t().contiguous()
-            planes[self.stored_usage(COLUMNWISE)] = Plane(data, scale_inv.contiguous())
+            data = transpose_2d(buffers["_columnwise_data"].view(self.fp8_dtype).reshape(k, m))
+            planes[self.stored_usage(COLUMNWISE)] = Plane(data, dense(scale_inv))
         return planes

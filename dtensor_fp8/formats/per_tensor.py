@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, te_data
+from . import te_kernels
+from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, te_data, transpose_2d
 from .scaling import reciprocal, scale_from_amax
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -29,6 +30,16 @@ class _PerTensor(Codec):
     def block_shape(self, usage: str) -> BlockShape:
         return _WHOLE_TENSOR
 
+    def block_amax(self, hp: torch.Tensor, usage: str) -> torch.Tensor:
+        if te_kernels.usable(hp):  # same value, one pass (see te_kernels.py)
+            return te_kernels.tensor_amax(hp)
+        return super().block_amax(hp, usage)
+
+    def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
+        if te_kernels.usable(hp):  # same bytes, one pass (see te_kernels.py)
+            return te_kernels.cast_with_scale(hp, scale, self.fp8_dtype)
+        return super().encode(hp, scale, usage)
+
     def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE)) -> dict[str, torch.Tensor]:
         plane = planes[ROWWISE]
         out = {}
@@ -45,7 +56,7 @@ class _PerTensor(Codec):
         if buffers.get("_data") is not None:
             data = buffers["_data"].view(self.fp8_dtype).reshape(m, k)
         elif buffers.get("_transpose") is not None:
-            data = buffers["_transpose"].view(self.fp8_dtype).reshape(k, m).t().contiguous()
+            data = transpose_2d(buffers["_transpose"].view(self.fp8_dtype).reshape(k, m))
         else:
             raise RecipeError(f"{self.name}: TE tensor has neither _data nor _transpose")
         return {ROWWISE: Plane(data, scale_inv)}

@@ -11,6 +11,9 @@ an all-zero block) are quantized by TE's quantizer and by :func:`dtensor_fp8.qua
 * ``q.dequantize(torch.float32)`` is compared with TE's ``dequantize(dtype=torch.float32)`` as
   bits.
 
+The codecs run their pure-torch reference here (``te_kernels.reference_only``): on CUDA their
+fast path *is* TE's kernels, compared with the reference in ``test_te_kernels.py``.
+
 NaN / Inf / zero / tiny / huge inputs are checked separately (``test_special_values``), FP8 bytes
 exactly, NaN included (see the note there); only the dequantized fp32 NaNs are compared by position.
 
@@ -68,6 +71,16 @@ SHAPES = [
     (72, 160),  # not multiples of 128, but GEMM-aligned (8 / 16)
     (4, 64, 256),  # 3-D: leading dims flattened into rows
 ]
+
+
+@pytest.fixture(autouse=True)
+def _reference_codecs():
+    """Compare TE with the codecs' pure-torch reference: on CUDA the codecs would otherwise call
+    these very TE kernels (their fast path, checked against the reference in test_te_kernels.py)."""
+    from dtensor_fp8.formats import te_kernels
+
+    with te_kernels.reference_only():
+        yield
 
 
 # ---- recipes: (ours, TE quantizer factory) --------------------------------------------------------

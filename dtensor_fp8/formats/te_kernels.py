@@ -1,0 +1,112 @@
+"""Transformer Engine's CUDA kernels as the codecs' fast path: the same bytes, an order of magnitude faster.
+
+[Note: one set of bytes, two implementations]
+Every codec is written in plain torch: that reference runs everywhere (the CPU CI included) and is
+checked byte for byte against TE's outputs in ``shared/golden``. On a CUDA tensor, where
+``transformer_engine`` imports, the hot steps of requantizing weights after each optimizer step
+call the kernels TE makes its own FP8 weights with (the pure-torch path reads and writes the
+tensor five or six times; one TE kernel does it in one pass — ``python -m dtensor_fp8.benchmarks
+codec`` shows both):
+
+* per-tensor amax: ``tex.compute_amax`` (an ``fmaxf`` reduction: NaN ignored, as the reference);
+* the scaled, saturating per-tensor cast with a given scale: TE's ``Float8Quantizer`` — the scale
+  is still ours (it may come from an amax reduced across shards, or a delayed-scaling history),
+  which is also how TE casts sharded master weights (``transformer_engine.pytorch.tensor.utils``);
+* blockwise quantization of a local shard (its blocks never straddle shards):
+  ``Float8BlockQuantizer``, its output read back with the codec's ``from_te_layout``;
+* the FP8 byte transpose TE's Hopper GEMMs read for the backward pass: ``tex.fp8_transpose``
+  (torch's generic strided copy of a 1-byte tensor is several times slower).
+
+``tests/gpu/test_te_kernels.py`` compares each fast path with the reference byte for byte on the
+GPU. MXFP8 has no fast path: TE's MXFP8 kernels need sm_100+ and cannot be checked on the H200
+(where TE's MXFP8 quantize writes nothing). ``DTENSOR_FP8_TE_KERNELS=0`` forces the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from types import SimpleNamespace
+
+import torch
+
+ENV_SWITCH = "DTENSOR_FP8_TE_KERNELS"
+
+
+@functools.cache
+def _te():
+    """TE's extension and quantizer classes, or ``None`` when TE does not import (imported on the
+    first CUDA tensor only: CPU runs never load TE)."""
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    except Exception:  # noqa: BLE001  (ImportError, or a native library that fails to load)
+        return None
+    dtypes = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
+    return SimpleNamespace(tex=tex, Float8Quantizer=Float8Quantizer, Float8BlockQuantizer=Float8BlockQuantizer,
+                           dtypes=dtypes)
+
+
+def usable(hp: torch.Tensor) -> bool:
+    """True when ``hp`` can take the TE fast path: a non-empty CUDA tensor, TE importable, and the
+    fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``."""
+    return (hp.is_cuda and hp.numel() > 0 and os.environ.get(ENV_SWITCH, "1") != "0"
+            and _te() is not None)
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Within the block every codec runs its pure-torch reference, also on CUDA (tests comparing
+    the two paths, benchmarks timing both). Sets ``DTENSOR_FP8_TE_KERNELS=0`` process-wide.
+
+    Example:
+        >>> with reference_only():
+        ...     ref = dtensor_fp8.quantize(w.cuda(), dtensor_fp8.CurrentScaling())
+    """
+    before = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_SWITCH, None)
+        else:
+            os.environ[ENV_SWITCH] = before
+
+
+def transpose_bytes(u8: torch.Tensor) -> torch.Tensor:
+    """``u8.t().contiguous()`` of a 2-D uint8 tensor (FP8 bytes; a transpose moves bytes, so the
+    FP8 format given to TE's kernel does not matter)."""
+    te = _te()
+    return te.tex.fp8_transpose(u8.contiguous(), te.dtypes[torch.float8_e4m3fn], out=None)
+
+
+def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
+    """``max(|hp|)`` over the whole tensor, NaN ignored, fp32 of shape ``(1, 1)``."""
+    amax = torch.zeros(1, dtype=torch.float32, device=hp.device)
+    _te().tex.compute_amax(hp.contiguous(), amax)
+    return amax.reshape(1, 1)
+
+
+def cast_with_scale(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(hp * scale)`` in ``fp8_dtype`` (round to nearest even), one per-tensor ``scale``."""
+    te = _te()
+    scratch_amax = torch.zeros(1, dtype=torch.float32, device=hp.device)  # the cast also records its amax
+    quantizer = te.Float8Quantizer(scale.float().reshape(1).to(hp.device), scratch_amax, te.dtypes[fp8_dtype],
+                                   rowwise=True, columnwise=False)
+    return quantizer(hp.contiguous())._data.view(fp8_dtype).reshape(hp.shape)
+
+
+def blockwise_quantize(hp: torch.Tensor, *, block_dims: int, fp8_dtype: torch.dtype, force_pow_2_scales: bool,
+                       amax_epsilon: float, rowwise: bool, columnwise: bool) -> dict[str, torch.Tensor | None]:
+    """TE's blockwise quantization of a 2-D tensor: TE's buffers (``_rowwise_data``, padded
+    ``_rowwise_scale_inv``, ...) for the codec's ``from_te_layout``."""
+    te = _te()
+    quantizer = te.Float8BlockQuantizer(te.dtypes[fp8_dtype], rowwise=rowwise, columnwise=columnwise,
+                                        amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
+                                        block_scaling_dim=block_dims)
+    out = quantizer(hp.contiguous())
+    return {name: getattr(out, name, None) for name in
+            ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")}
