@@ -1,7 +1,7 @@
-"""FP32 master weights for FP8 parameters, wrapped around any torch optimizer.
+"""High-precision master weights for FP8 parameters, wrapped around any torch optimizer.
 
 [Note: requantizing sharded FP8 weights]
-After ``step()`` every FP8 parameter's local shard is requantized in place from its FP32 master
+After ``step()`` every FP8 parameter's local shard is requantized in place from its master
 shard, into every plane it stores. A scaling block that lies inside one shard needs nothing from
 other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
 needs the max over all shards: those amaxes of *all* weights are packed into one tensor and
@@ -86,18 +86,30 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
         q.discard_transpose_cache()
 
 
+_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class MasterWeightOptimizer:
-    """Any torch optimizer over FP32 masters of a model's FP8 parameters.
+    """Any torch optimizer over high-precision masters of a model's FP8 parameters.
 
     High-precision parameters are optimized as they are. For each FP8 parameter (a
-    :class:`QuantizedTensor`, or a DTensor of them after ``fully_shard``) an FP32 master with the
+    :class:`QuantizedTensor`, or a DTensor of them after ``fully_shard``) a master with the
     same sharding is created (from the high-precision init values kept by ``quantize_module_``,
     else from the dequantized FP8 values); its gradient is the parameter's (FSDP has already
     reduce-scattered it in high precision); after ``step()`` the FP8 shard is requantized in place.
 
+    [Note: master dtype and memory]
+    FP32 masters (the default) cost 4 bytes per weight, and a torch optimizer keeps its state in
+    the master's dtype (Adam: 8 more bytes), on top of the 1-byte FP8 weight and the gradient; the
+    gradient is also copied to FP32 for the step. ``master_dtype=torch.bfloat16`` keeps masters
+    and optimizer state at 2 + 4 bytes, the precision a model trained with bf16 parameters has,
+    and hands FSDP's bf16 gradient to the optimizer without a copy.
+
     Args:
         model: the (sharded) model.
         optimizer_cls: e.g. ``torch.optim.AdamW``.
+        master_dtype: dtype of the masters (and so of the optimizer state): ``torch.float32``
+            (default), ``torch.bfloat16`` or ``torch.float16``.
         **optimizer_kwargs: passed to ``optimizer_cls``.
 
     Example:
@@ -105,7 +117,12 @@ class MasterWeightOptimizer:
         >>> loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls, **optimizer_kwargs):
+    def __init__(self, model: nn.Module, optimizer_cls, *, master_dtype: torch.dtype = torch.float32,
+                 **optimizer_kwargs):
+        if master_dtype not in _MASTER_DTYPES:
+            raise ValueError(f"MasterWeightOptimizer: master_dtype={master_dtype} is not a floating dtype for "
+                             f"master weights; use one of {_MASTER_DTYPES} (torch.float32 unless memory is short)")
+        self.master_dtype = master_dtype
         self.model = model
         hp_init = getattr(model, HP_INIT_ATTR, {})
         self.fp8_params: list[tuple[str, nn.Parameter, nn.Parameter]] = []
@@ -117,9 +134,9 @@ class MasterWeightOptimizer:
                 continue
             init = hp_init.pop(name, None)
             if init is not None:
-                master_local = _local_slice(init, p).to(device=local.device, dtype=torch.float32).clone()
+                master_local = _local_slice(init, p).to(device=local.device, dtype=master_dtype).clone()
             else:
-                master_local = local.dequantize(torch.float32)
+                master_local = local.dequantize(master_dtype)
             master = nn.Parameter(like(p, master_local))
             self.fp8_params.append((name, p, master))
             params.append(master)
@@ -142,7 +159,7 @@ class MasterWeightOptimizer:
             if g is None:
                 master.grad = None
                 continue
-            master.grad = like(master, local_tensor(g).to(torch.float32))
+            master.grad = like(master, local_tensor(g).to(master.dtype))  # no copy when the dtypes agree
         self.optimizer.step()
         self.requantize_()
 
@@ -179,7 +196,7 @@ class MasterWeightOptimizer:
                     self.scaling_states.setdefault((name, usage), state)
 
     def state_dict(self) -> dict:
-        """FQN-keyed state: FP32 masters, the inner optimizer's state and hyper-parameters, and the
+        """FQN-keyed state: the masters, the inner optimizer's state and hyper-parameters, and the
         scaling state of stateful recipes. DTensors keep their sharding, so DCP can reshard it."""
         inner = self.optimizer.state_dict()
         names = self._names_in_order()
@@ -205,5 +222,6 @@ class MasterWeightOptimizer:
         self.scaling_states = {tuple(k.split("|")): v for k, v in state.get("scaling", {}).items()}
 
     def __repr__(self) -> str:
-        return f"MasterWeightOptimizer({type(self.optimizer).__name__}, fp8_params={len(self.fp8_params)})"
+        dtype = str(self.master_dtype).replace("torch.", "")
+        return f"MasterWeightOptimizer({type(self.optimizer).__name__}, fp8_params={len(self.fp8_params)}, master_dtype={dtype})"
 

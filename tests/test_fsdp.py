@@ -186,6 +186,56 @@ def test_training_matches_unsharded_run(pools, recipe_name):
         torch.testing.assert_close(masters[name], ref, rtol=0, atol=5e-3, msg=name)
 
 
+def _train_bf16_masters(recipe_name):
+    """A bf16 model with FP8 weights and bf16 masters under FSDP2: what a step leaves behind."""
+    recipe = RECIPES[recipe_name]()
+    model = d.quantize_module_(_hp_model(seed=3).to(torch.bfloat16), recipe)
+    _shard(model, "reshard")
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2, master_dtype=torch.bfloat16)
+    losses, grads_shared = [], []
+    for step in range(8):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH, DIM, generator=g).to(DEVICE, torch.bfloat16)
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        grads_shared.append(all(d.placement.local_tensor(m.grad).data_ptr() == d.placement.local_tensor(p.grad).data_ptr()
+                                for _, p, m in opt.fp8_params))
+        opt.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item())
+    state_dtypes = {str(v.dtype) for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"}
+    masters = {n: m.full_tensor().detach().cpu() for n, m in opt.masters.items()}
+    planes = {}
+    for name, p, _ in opt.fp8_params:
+        for usage in d.placement.local_tensor(p).usages:
+            planes[(name, usage)] = d.for_usage(p, usage).full_tensor().plane(usage).map(lambda t: t.detach().cpu())
+    return losses, grads_shared, state_dtypes, {str(m.dtype) for m in masters.values()}, masters, planes
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_bf16_masters(pools, recipe_name):
+    """``master_dtype=torch.bfloat16``: masters and optimizer state in bf16, FSDP's bf16 gradient
+    used without a copy, and every FP8 plane the codec's quantization of its (full) master."""
+    recipe = RECIPES[recipe_name]()
+    losses, grads_shared, state_dtypes, master_dtypes, masters, planes = pools[WORLD_SIZES[0]].run(
+        _train_bf16_masters, recipe_name)[0]
+    assert losses[-1] < losses[0], losses
+    assert all(grads_shared), grads_shared
+    assert state_dtypes == {"torch.bfloat16"} and master_dtypes == {"torch.bfloat16"}
+    for (name, usage), plane in planes.items():
+        scale = {"scale": torch.reciprocal(plane.scale_inv.float())} if isinstance(recipe, d.DelayedScaling) else {}
+        expected = d.quantize(masters[name], recipe, **scale).plane(usage)
+        assert torch.equal(plane.data.view(torch.uint8), expected.data.view(torch.uint8)), (name, usage)
+        assert torch.equal(plane.scale_inv.contiguous().view(torch.uint8), expected.scale_inv.contiguous().view(torch.uint8)), (name, usage)
+
+
+def test_master_dtype_must_be_floating():
+    with pytest.raises(ValueError, match="master_dtype=torch.int8"):
+        d.MasterWeightOptimizer(nn.Linear(4, 4), torch.optim.SGD, lr=0.1, master_dtype=torch.int8)
+
+
 # ---- uneven shards and reshard_after_forward=int -----------------------------------------------------------
 def _uneven(recipe_name, rows):
     recipe = RECIPES[recipe_name]()

@@ -22,8 +22,13 @@ bf16, loss ``output.float().pow(2).mean()``. For each recipe (TE ``DelayedScalin
 * (c) ``te_fp8_nofsdp``: the same TE FP8 parameters and masters, no ``fully_shard``
   (like ``tests/gpu/test_te_modules.py``'s reference run).
 * (d) ``ours_fsdp``: :func:`dtensor_fp8.te.quantize_te_module_` on the bf16 model, ``fully_shard``,
-  :class:`dtensor_fp8.MasterWeightOptimizer` around ``torch.optim.Adam``; after the timed steps
-  every GEMM weight must still be a DTensor whose local shard is an FP8 :class:`QuantizedTensor`.
+  :class:`dtensor_fp8.MasterWeightOptimizer` around ``torch.optim.Adam`` (FP32 masters); after the
+  timed steps every GEMM weight must still be a DTensor whose local shard is an FP8
+  :class:`QuantizedTensor`.
+* (e) ``ours_fsdp_bf16_masters``: (d) with ``master_dtype=torch.bfloat16`` (masters and Adam state
+  in bf16, as (a) keeps its parameters and Adam state).
+
+Every variant's ``torch.optim.Adam`` is the same implementation (``--adam``, default ``fused``).
 
 Masters of (b), (c), (d) start from the dequantized FP8 weights (no high-precision init copies).
 Timing: ``--warmup`` steps (default 3), then ``--steps`` (default 10) steps, each between
@@ -61,7 +66,9 @@ VARIANTS = {
     "b": ("te_fp8_fsdp", "(b) TE FP8 params, FSDP2"),
     "c": ("te_fp8_nofsdp", "(c) TE FP8 params, no FSDP"),
     "d": ("ours_fsdp", "(d) dtensor_fp8 params, FSDP2"),
+    "e": ("ours_fsdp_bf16_masters", "(e) = (d), bf16 masters"),
 }
+OURS = ("d", "e")
 RECIPES = ("delayed", "current", "blockwise2d")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -265,11 +272,12 @@ def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
         opt = _TEMasterAdam(model, ns.TEQuantizedTensor, cfg.lr, _adam_kwargs(cfg))
         notes["optimizer"] = f"torch.optim.Adam over {len(opt.fp8)} FP32 masters + high-precision params; TE quantize_"
         return model, opt, notes
-    if variant == "d":
+    if variant in OURS:
         model = _build(ns, cfg)
         dte.quantize_te_module_(model, codec, keep_hp_init=False)
         model = _shard(model, mesh, keep_attrs=False)
-        opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, **_adam_kwargs(cfg))
+        master_dtype = torch.bfloat16 if variant == "e" else torch.float32
+        opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, master_dtype=master_dtype, **_adam_kwargs(cfg))
         notes["weights_after_shard"] = _weight_kinds(model)
         notes["optimizer"] = repr(opt)
         return model, opt, notes
@@ -374,7 +382,7 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         row["losses_finite"] = all(math.isfinite(v) for v in vals)
         if not row["losses_finite"]:
             row["warning"] = (row.get("warning", "") + "; non-finite loss").lstrip("; ")
-        if variant == "d":
+        if variant in OURS:
             ok, msg = _check_ours_fp8(model, 4 * cfg.layers)
             row["fp8_shards_ok"] = ok
             row["fp8_shards"] = msg
@@ -462,11 +470,13 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 
 def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> str:
     by = {(r["recipe"], r["key"]): r for r in rows}
-    head = ["recipe"] + [VARIANTS[v][1] for v in variants] + ["(d)/(c) time (mem)", "(d)/(b) time (mem)"]
+    ours = [v for v in OURS if v in variants] or ["d"]
+    head = ["recipe"] + [VARIANTS[v][1] for v in variants]
+    head += [f"({v})/({ref}) time (mem)" for v in ours for ref in ("c", "b")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rec in recipes:
         cells = [rec] + [_cell(by.get((rec, v))) for v in variants]
-        cells += [_ratio(by.get((rec, "d")), by.get((rec, "c"))), _ratio(by.get((rec, "d")), by.get((rec, "b")))]
+        cells += [_ratio(by.get((rec, v)), by.get((rec, ref))) for v in ours for ref in ("c", "b")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("cells: median step ms (fwd+bwd+optimizer) over the timed steps (peak GiB allocated during them); "
@@ -481,7 +491,7 @@ def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> s
         if r["key"] == "b" and r.get("status") == "ok":
             notes.append(f"- {tag}: weights after fully_shard {r.get('weights_after_shard')}, in forward "
                          f"{r.get('weights_in_forward')}")
-        if r["key"] == "d" and "fp8_shards" in r:
+        if r["key"] in OURS and "fp8_shards" in r:
             notes.append(f"- {tag}: {r['fp8_shards']}")
     if notes:
         lines += ["", "notes:"] + notes
@@ -508,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated subset of {','.join(RECIPES)}")
-    p.add_argument("--variants", default="a,b,c,d", help="comma-separated subset of a (bf16, FSDP2), b (TE FP8 params, FSDP2), c (TE FP8 params, no FSDP), d (dtensor_fp8, FSDP2)")
+    p.add_argument("--variants", default="a,b,c,d,e", help="comma-separated subset of a (bf16, FSDP2), b (TE FP8 params, FSDP2), c (TE FP8 params, no FSDP), d (dtensor_fp8, FSDP2), e (d with bf16 masters)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)

@@ -156,8 +156,7 @@ class DelayedScaling(_PerTensor):
         rolled = torch.cat([history.new_zeros(1), history[2:], last.reshape(1)]) if history.numel() > 1 else history.new_zeros(1)
         rolled_or_kept = torch.where(last != 0, rolled, history)
         amax = torch.where(last != 0, amax, last)
-        scaled_max = torch.tensor(torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin), dtype=torch.float32)
-        new = scaled_max.to(amax.device) / amax
+        new = torch.full_like(amax, torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin)) / amax
         new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale.float().reshape(()))
         # TE replaces an Inf scale after choosing new vs previous, so a kept Inf scale becomes FLT_MAX too.
         new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
