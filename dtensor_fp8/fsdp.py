@@ -27,6 +27,7 @@ dropped after use, so it never outlives the unsharded parameter.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from typing import Callable, NamedTuple
@@ -152,20 +153,31 @@ class _GatherMetadata(NamedTuple):
     orig_rows: int  # rows of the unpadded full weight
 
 
-def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
-    world = mesh.size()
-    usages = fsdp_gather_usages()
-    stored = self.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    check_shardable(tuple(outer_size), self.codec, 0, world, usages)
+def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
+    """``(stored planes, padded shard rows)`` for one kind of gather, after checking it is possible."""
+    stored = q.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
+    check_shardable(outer_size, q.codec, 0, world, usages)
     padded_rows = -(-outer_size[0] // world)
-    if any(_gathers_scale(self, u) for u in stored) and outer_size[0] % world:
+    if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
         # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
         # padded shard's exact shape; block scales cannot. Raised on every rank alike.
         raise RecipeError(
-            f"{self.codec.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
+            f"{q.codec.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
             f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
+    return stored, padded_rows
+
+
+def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
+    world = mesh.size()
+    usages = fsdp_gather_usages()
+    # The same few gathers repeat every step; their plans are kept on the (persistent) local shard.
+    plans = self.__dict__.setdefault("_gather_plans", {})
+    key = (tuple(outer_size), world, usages)
+    if key not in plans:
+        plans[key] = _gather_plan(self, key[0], world, usages)
+    stored, padded_rows = plans[key]
     local = self
     if local.shape[0] != padded_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, padded_rows - local.shape[0]])
@@ -257,6 +269,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
     return gathered, ()
 
 
+# FSDP2 calls inspect.signature on the hook at every all-gather; a stored signature skips rebuilding it.
+fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 QuantizedTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
 QuantizedTensor.fsdp_post_all_gather = fsdp_post_all_gather
 

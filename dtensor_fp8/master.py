@@ -71,6 +71,8 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
         reduced = iter(flat.split([a.numel() for a in spanning]))
     else:
         reduced = iter(spanning)
+    # One call per (recipe, plane) for all its tensors: per-tensor scales are computed together.
+    batches: dict = {}
     for name, q, hp, usage, amax, reduce in jobs:
         if reduce:
             amax = next(reduced).reshape(amax.shape)
@@ -78,12 +80,16 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
         state = None
         if scaling_states is not None:
             state = scaling_states.get((name, usage)) or q.codec.initial_scaling_state(plane)
-        fresh, state = q.codec.requantize_plane(hp, usage, plane, amax=amax, state=state)
-        if state is not None:
-            scaling_states[(name, usage)] = state
-        plane.data.copy_(fresh.data)
-        plane.scale_inv.copy_(fresh.scale_inv)
-        q.discard_transpose_cache()
+        batches.setdefault((q.codec, usage), []).append((name, q, hp, plane, amax, state))
+    for (codec, usage), batch in batches.items():
+        names, qs, hps, planes, amaxes, states = zip(*batch)
+        results = codec.requantize_planes(usage, list(hps), list(planes), list(amaxes), list(states))
+        for name, q, plane, (fresh, state) in zip(names, qs, planes, results):
+            if state is not None:
+                scaling_states[(name, usage)] = state
+            plane.data.copy_(fresh.data)
+            plane.scale_inv.copy_(fresh.scale_inv)
+            q.discard_transpose_cache()
 
 
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,8 +164,10 @@ class MasterWeightOptimizer:
             g = p.grad
             if g is None:
                 master.grad = None
-                continue
-            master.grad = like(master, local_tensor(g).to(master.dtype))  # no copy when the dtypes agree
+            elif g.dtype == master.dtype and type(g) is type(master):
+                master.grad = g  # same sharding and dtype: FSDP's gradient as it is, no copy or re-wrap
+            else:
+                master.grad = like(master, local_tensor(g).to(master.dtype))
         self.optimizer.step()
         self.requantize_()
 

@@ -660,6 +660,37 @@ def test_delayed_update_scale_infinite_previous_scale(history):
     assert new_scale.item() == FLT_MAX
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("recipe_cls", [d.DelayedScaling, d.CurrentScaling])
+def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo):
+    """An optimizer step requantizes all tensors of a recipe in one batch; each result must be what
+    requantizing that tensor alone gives (bytes, scale_inv, delayed scaling's history and scale),
+    for histories that roll (last != 0), stay (last == 0), hold a NaN, or see an Inf amax."""
+    kwargs = {"amax_history_len": 4, "amax_compute_algo": algo} if recipe_cls is d.DelayedScaling else {}
+    recipe = recipe_cls(**kwargs)
+    hps = [_rand(32, 48, seed, torch.float32, scale) for seed, scale in ((1, 3.0), (2, 0.01), (3, 200.0), (4, 1.0))]
+    hps[3][0, 0] = INF
+    currents = [recipe.quantize_plane(hp, d.ROWWISE) for hp in hps]
+    histories = [[0.0, 5.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0], [3.0, float("nan"), 7.0, 1.0], [1.0, 2.0, 3.0, 4.0]]
+    states = [{"amax_history": torch.tensor(h), "scale": torch.tensor([0.5 + i])} for i, h in enumerate(histories)]
+    if recipe_cls is d.CurrentScaling:
+        states = [None] * 4
+    amaxes = [None, torch.tensor([[9.0]]), None, None]
+    batch = recipe.requantize_planes(d.ROWWISE, hps, currents, amaxes, states)
+    for i, (plane, state) in enumerate(batch):
+        alone, alone_state = recipe.requantize_plane(hps[i], d.ROWWISE, currents[i], amax=amaxes[i], state=states[i])
+        assert torch.equal(plane.data.view(torch.uint8), alone.data.view(torch.uint8)), i
+        assert_f32_equal(plane.scale_inv.reshape(-1), alone.scale_inv.reshape(-1).tolist(), f"scale_inv {i}")
+        if state is not None:
+            assert_f32_equal(state["amax_history"], alone_state["amax_history"].tolist(), f"history {i}")
+            assert_f32_equal(state["scale"], alone_state["scale"].tolist(), f"scale {i}")
+    if recipe_cls is d.DelayedScaling:  # and "alone" itself follows record_amax + update_scale
+        h = recipe.record_amax(states[0]["amax_history"], recipe.block_amax(hps[0], d.ROWWISE))
+        exp_hist, exp_scale = recipe.update_scale(h, states[0]["scale"])
+        assert_f32_equal(batch[0][1]["amax_history"], exp_hist.tolist(), "history vs update_scale")
+        assert_f32_equal(batch[0][1]["scale"], exp_scale.tolist(), "scale vs update_scale")
+
+
 def test_delayed_record_amax_accumulates():
     recipe = d.DelayedScaling(amax_history_len=3)
     h = torch.tensor([0.0, 4.0, 5.0])

@@ -234,6 +234,22 @@ class Codec(abc.ABC):
         """
         return self.quantize_plane(hp, usage, amax=amax), state
 
+    def requantize_planes(self, usage: str, hps, currents, amaxes, states):
+        """:meth:`requantize_plane` for many tensors of this recipe at once (an optimizer step).
+
+        Args:
+            usage: the plane, the same for all.
+            hps, currents, amaxes, states: per tensor, as :meth:`requantize_plane` takes them
+                (an amax or state may be ``None``).
+
+        Returns:
+            ``[(plane, state), ...]`` in order. Recipes whose scales come from per-tensor values
+            override this to compute every scale with one set of kernels instead of one per
+            tensor (the step is otherwise bound by kernel launches, not by bytes).
+        """
+        return [self.requantize_plane(hp, usage, cur, amax=a, state=s)
+                for hp, cur, a, s in zip(hps, currents, amaxes, states)]
+
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)
 

@@ -40,6 +40,15 @@ class _PerTensor(Codec):
             return te_kernels.cast_with_scale(hp, scale, self.fp8_dtype)
         return super().encode(hp, scale, usage)
 
+    def _amaxes(self, hps, amaxes, usage) -> torch.Tensor:
+        """Per-tensor amaxes as one ``(n,)`` vector (given ones kept, missing ones computed)."""
+        return torch.cat([(self.block_amax(hp, usage) if a is None else a).float().reshape(1)
+                          for hp, a in zip(hps, amaxes)])
+
+    def _encode_each(self, hps, usage, scales: torch.Tensor, scale_invs: torch.Tensor) -> list[Plane]:
+        return [Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
+                for hp, scale, scale_inv in zip(hps, scales, scale_invs)]
+
     def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE)) -> dict[str, torch.Tensor]:
         plane = planes[ROWWISE]
         out = {}
@@ -108,15 +117,21 @@ class DelayedScaling(_PerTensor):
         return {"amax_history": history, "scale": torch.reciprocal(current.scale_inv.float().reshape(1))}
 
     def requantize_plane(self, hp, usage, current, *, amax=None, state=None):
-        if state is None:  # keep the current scale (copy_ into an existing FP8 tensor)
-            return self.quantize_plane(hp, usage, scale=torch.reciprocal(current.scale_inv.float())), None
-        if amax is None:
-            amax = self.block_amax(hp, usage)
+        return self.requantize_planes(usage, [hp], [current], [amax], [state])[0]
+
+    def requantize_planes(self, usage, hps, currents, amaxes, states):
+        if any(s is None for s in states):  # keep the current scales (copy_ into existing FP8 tensors)
+            return [(self.quantize_plane(hp, usage, scale=torch.reciprocal(cur.scale_inv.float())), None)
+                    for hp, cur in zip(hps, currents)]
         # TE's order: the cast records its amax in history[0]; the update then rolls the history
-        # and derives the scale used from now on.
-        history = self.record_amax(state["amax_history"], amax.reshape(()))
-        history, scale = self.update_scale(history, state["scale"])
-        return self.quantize_plane(hp, usage, scale=scale), {"amax_history": history, "scale": scale}
+        # and derives the scale used from now on. All tensors' histories are updated together.
+        amax = self._amaxes(hps, amaxes, usage)
+        histories = torch.stack([s["amax_history"].float() for s in states])
+        histories[:, 0] = torch.fmax(histories[:, 0], amax)
+        histories, scales = self._update_scales(histories, torch.cat([s["scale"].float().reshape(1) for s in states]))
+        planes = self._encode_each(hps, usage, scales, reciprocal(scales))
+        return [(plane, {"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()})
+                for plane, h, s, state in zip(planes, histories, scales, states)]
 
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
@@ -145,22 +160,30 @@ class DelayedScaling(_PerTensor):
         Returns:
             ``(new_history, new_scale)``.
         """
-        history = amax_history.float()
-        last = history[0]
-        if self.amax_compute_algo == "max":
+        history, new = self._update_scales(amax_history.float().reshape(1, -1), scale.float().reshape(1))
+        return history.reshape(amax_history.shape), new.reshape(scale.shape)
+
+    def _update_scales(self, histories: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update_scale` for ``n`` tensors at once: histories ``(n, L)``, scales ``(n,)``."""
+        last = histories[:, 0]
+        if self.amax_compute_algo == "max" and histories.shape[1] > 1:
             # fmaxf reduction: a NaN anywhere in the window is ignored (torch's amax would propagate it).
-            rest = history[1:]
-            amax = torch.fmax(last, torch.where(torch.isnan(rest), torch.zeros_like(rest), rest).amax()) if history.numel() > 1 else last
+            rest = histories[:, 1:]
+            amax = torch.fmax(last, torch.where(torch.isnan(rest), torch.zeros_like(rest), rest).amax(dim=1))
         else:
             amax = last
-        rolled = torch.cat([history.new_zeros(1), history[2:], last.reshape(1)]) if history.numel() > 1 else history.new_zeros(1)
-        rolled_or_kept = torch.where(last != 0, rolled, history)
-        amax = torch.where(last != 0, amax, last)
+        if histories.shape[1] > 1:
+            rolled = torch.cat([histories.new_zeros(len(histories), 1), histories[:, 2:], last[:, None]], dim=1)
+        else:
+            rolled = torch.zeros_like(histories)
+        changed = last != 0
+        rolled_or_kept = torch.where(changed[:, None], rolled, histories)
+        amax = torch.where(changed, amax, last)
         new = torch.full_like(amax, torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin)) / amax
-        new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale.float().reshape(()))
+        new = torch.where(torch.isfinite(amax) & (amax > 0), new, scales)
         # TE replaces an Inf scale after choosing new vs previous, so a kept Inf scale becomes FLT_MAX too.
         new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)
-        return rolled_or_kept, new.reshape(scale.shape)
+        return rolled_or_kept, new
 
 
 @dataclass(frozen=True, repr=True)
@@ -193,3 +216,8 @@ class CurrentScaling(_PerTensor):
             force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
         )
         return scale, reciprocal(scale)
+
+    def requantize_planes(self, usage, hps, currents, amaxes, states):
+        # The scale is a function of each tensor's amax alone: compute all of them in one go.
+        scales, scale_invs = self.scale_from_amax(self._amaxes(hps, amaxes, usage), usage)
+        return [(plane, state) for plane, state in zip(self._encode_each(hps, usage, scales, scale_invs), states)]

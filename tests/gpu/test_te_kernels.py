@@ -89,20 +89,21 @@ def test_fast_path_special_values(name, case, dtype):
 
 @pytest.mark.parametrize("name", ["delayed_e4m3", "current_e4m3", "block1d_e4m3", "block2d_e4m3"])
 def test_requantize_from_hp_matches_reference(name):
-    """Three optimizer-step requantizations of one weight from changing fp32 masters, fast vs
-    reference: planes (and delayed scaling's history and scale) byte-identical after each."""
+    """Three optimizer-step requantizations of three weights (one batch) from changing fp32
+    masters, fast vs reference: planes (and delayed scaling's history and scale) byte-identical."""
     recipe = RECIPES[name][0]
     g = torch.Generator(device="cuda").manual_seed(_seed("requant", name))
-    w = torch.randn(640, 1024, device="cuda", generator=g)
-    fast_q, ref_q = d.quantize(w, recipe), d.quantize(w, recipe)
+    ws = [torch.randn(640, 1024, device="cuda", generator=g) * (10.0 ** i) for i in range(3)]
+    fast_qs, ref_qs = [d.quantize(w, recipe) for w in ws], [d.quantize(w, recipe) for w in ws]
     states_fast, states_ref = {}, {}
     for step in range(3):
-        hp = w * (1.5 ** step) + 0.01 * step
-        requantize_from_hp_([("w", fast_q, hp)], states_fast)
+        hps = [w * (1.5 ** step) + 0.01 * step for w in ws]
+        requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(fast_qs, hps))], states_fast)
         with te_kernels.reference_only():
-            requantize_from_hp_([("w", ref_q, hp)], states_ref)
-        for usage in fast_q._planes:
-            assert_planes_equal(fast_q._planes[usage], ref_q._planes[usage], f"{name}/step{step}/{usage}")
+            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(ref_qs, hps))], states_ref)
+        for i, (fast_q, ref_q) in enumerate(zip(fast_qs, ref_qs)):
+            for usage in fast_q._planes:
+                assert_planes_equal(fast_q._planes[usage], ref_q._planes[usage], f"{name}/w{i}/step{step}/{usage}")
         assert states_fast.keys() == states_ref.keys()
         for key in states_fast:
             for field in states_fast[key]:
