@@ -676,7 +676,7 @@ def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo):
     if recipe_cls is d.CurrentScaling:
         states = [None] * 4
     amaxes = [None, torch.tensor([[9.0]]), None, None]
-    batch = recipe.requantize_planes(d.ROWWISE, hps, currents, amaxes, states)
+    batch = list(recipe.requantize_planes(d.ROWWISE, hps, currents, amaxes, states))
     for i, (plane, state) in enumerate(batch):
         alone, alone_state = recipe.requantize_plane(hps[i], d.ROWWISE, currents[i], amax=amaxes[i], state=states[i])
         assert torch.equal(plane.data.view(torch.uint8), alone.data.view(torch.uint8)), i

@@ -243,12 +243,14 @@ class Codec(abc.ABC):
                 (an amax or state may be ``None``).
 
         Returns:
-            ``[(plane, state), ...]`` in order. Recipes whose scales come from per-tensor values
-            override this to compute every scale with one set of kernels instead of one per
-            tensor (the step is otherwise bound by kernel launches, not by bytes).
+            An iterator of ``(plane, state)`` in order, each made when it is asked for, so a
+            caller that stores each plane before taking the next holds one fresh plane at a time.
+            Recipes whose scales come from per-tensor values override this to compute every
+            scale with one set of kernels instead of one per tensor (the step is otherwise bound
+            by kernel launches, not by bytes).
         """
-        return [self.requantize_plane(hp, usage, cur, amax=a, state=s)
-                for hp, cur, a, s in zip(hps, currents, amaxes, states)]
+        return (self.requantize_plane(hp, usage, cur, amax=a, state=s)
+                for hp, cur, a, s in zip(hps, currents, amaxes, states))
 
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)

@@ -45,9 +45,10 @@ class _PerTensor(Codec):
         return torch.cat([(self.block_amax(hp, usage) if a is None else a).float().reshape(1)
                           for hp, a in zip(hps, amaxes)])
 
-    def _encode_each(self, hps, usage, scales: torch.Tensor, scale_invs: torch.Tensor) -> list[Plane]:
-        return [Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
-                for hp, scale, scale_inv in zip(hps, scales, scale_invs)]
+    def _encode_each(self, hps, usage, scales: torch.Tensor, scale_invs: torch.Tensor):
+        """Planes from per-tensor scales, one at a time (see ``Codec.requantize_planes``)."""
+        return (Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
+                for hp, scale, scale_inv in zip(hps, scales, scale_invs))
 
     def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE)) -> dict[str, torch.Tensor]:
         plane = planes[ROWWISE]
@@ -117,12 +118,12 @@ class DelayedScaling(_PerTensor):
         return {"amax_history": history, "scale": torch.reciprocal(current.scale_inv.float().reshape(1))}
 
     def requantize_plane(self, hp, usage, current, *, amax=None, state=None):
-        return self.requantize_planes(usage, [hp], [current], [amax], [state])[0]
+        return next(iter(self.requantize_planes(usage, [hp], [current], [amax], [state])))
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):
         if any(s is None for s in states):  # keep the current scales (copy_ into existing FP8 tensors)
-            return [(self.quantize_plane(hp, usage, scale=torch.reciprocal(cur.scale_inv.float())), None)
-                    for hp, cur in zip(hps, currents)]
+            return ((self.quantize_plane(hp, usage, scale=torch.reciprocal(cur.scale_inv.float())), None)
+                    for hp, cur in zip(hps, currents))
         # TE's order: the cast records its amax in history[0]; the update then rolls the history
         # and derives the scale used from now on. All tensors' histories are updated together.
         amax = self._amaxes(hps, amaxes, usage)
@@ -130,8 +131,8 @@ class DelayedScaling(_PerTensor):
         histories[:, 0] = torch.fmax(histories[:, 0], amax)
         histories, scales = self._update_scales(histories, torch.cat([s["scale"].float().reshape(1) for s in states]))
         planes = self._encode_each(hps, usage, scales, reciprocal(scales))
-        return [(plane, {"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()})
-                for plane, h, s, state in zip(planes, histories, scales, states)]
+        return ((plane, {"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()})
+                for plane, h, s, state in zip(planes, histories, scales, states))
 
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
@@ -220,4 +221,4 @@ class CurrentScaling(_PerTensor):
     def requantize_planes(self, usage, hps, currents, amaxes, states):
         # The scale is a function of each tensor's amax alone: compute all of them in one go.
         scales, scale_invs = self.scale_from_amax(self._amaxes(hps, amaxes, usage), usage)
-        return [(plane, state) for plane, state in zip(self._encode_each(hps, usage, scales, scale_invs), states)]
+        return zip(self._encode_each(hps, usage, scales, scale_invs), states)
