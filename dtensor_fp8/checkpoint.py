@@ -39,6 +39,9 @@ from .placement import like, local_tensor
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 _RECIPE_KEY = "recipe"
+#: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
+#: uint8 tensor whose length changes (empty before the first FP8 forward).
+_EXTRA_STATE_SUFFIX = "_extra_state"
 
 
 def _scale_placements(param: DTensor, codec, usage):
@@ -246,12 +249,13 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
         path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint._traverse import set_element
 
     # Optimizer state dicts hold references to live tensors: read into copies, and write them back
     # only once every entry has been read, so a failing load changes nothing.
-    flat, _ = flatten_state_dict(state_dict)
-    _check_against_metadata(flat, path)
-    copies = {k: _clone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    flat, mappings = flatten_state_dict(state_dict)
+    blobs = _check_against_metadata(flat, path)
+    copies = {k: blobs[k] if k in blobs else _clone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
     try:
         dcp.load(copies, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
     except (Exception, CheckpointException) as err:  # name the entries that cannot be read
@@ -262,7 +266,10 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
         ) from err
     with torch.no_grad():
         for key, value in copies.items():
-            flat[key].copy_(value)
+            if key in blobs:  # a module's opaque extra state: replaced, whatever its length was
+                set_element(state_dict, mappings[key], value)
+            else:
+                flat[key].copy_(value)
 
 
 class _CaptureBytes(dcp.DefaultLoadPlanner):
@@ -276,12 +283,18 @@ class _CaptureBytes(dcp.DefaultLoadPlanner):
         self.captured[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-def _check_against_metadata(flat: dict, path: str) -> None:
+def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
     """Recipe, presence and shape of every entry of a flattened state dict, checked before any
-    tensor is read."""
+    tensor is read.
+
+    Returns:
+        Buffers of the saved size for modules' extra states (``..._extra_state``): opaque blobs
+        (TE's pickled FP8 metadata) whose length in a fresh model differs from a trained one's.
+    """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    blobs = {}
     recipes = {k: v for k, v in flat.items() if k.endswith("." + _RECIPE_KEY)}
     if recipes:
         loaded = {k: None for k in recipes}
@@ -304,8 +317,12 @@ def _check_against_metadata(flat: dict, path: str) -> None:
         meta = saved.get(key)
         if meta is None:
             raise RecipeError(f"{key}: missing from checkpoint {path}")
-        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
+        if (key.endswith(_EXTRA_STATE_SUFFIX) and isinstance(meta, TensorStorageMetadata)
+                and not isinstance(value, DTensor)):
+            blobs[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
+        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
             raise RecipeError(f"{key}: shape {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} in the model")
+    return blobs
 
 
 def _unreadable_entries(flat: dict, path: str) -> list[str]:

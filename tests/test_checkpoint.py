@@ -190,6 +190,49 @@ def test_missing_plane_names_the_parameter(pools, tmp_path):
     assert all("0.weight" in m and "columnwise_data" in m for m in msgs), msgs
 
 
+class _OpaqueExtraState(torch.nn.Module):
+    """Keeps state as TE modules do: ``get_extra_state`` returns a pickled-bytes uint8 tensor whose
+    length changes (TE's is empty until the first FP8 forward)."""
+
+    def __init__(self, meta: bytes = b""):
+        super().__init__()
+        self.meta = meta
+
+    def get_extra_state(self):
+        return torch.tensor(list(self.meta), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.meta = bytes(state.tolist())
+
+    def forward(self, x):
+        return x
+
+
+def _extra_state_roundtrip(root, recipe_name):
+    model = d.quantize_module_(_hp_model(seed=1), RECIPES[recipe_name]())
+    model.append(_OpaqueExtraState(b"amax history, scales, recipe" * 3))
+    _shard(model, "reshard")
+    d.save_checkpoint({"model": model.state_dict()}, root, 1)
+    fresh = d.quantize_module_(_hp_model(seed=2), RECIPES[recipe_name]())
+    fresh.append(_OpaqueExtraState())
+    _shard(fresh, "reshard")
+    state = {"model": fresh.state_dict()}
+    d.load_checkpoint(state, d.latest_checkpoint(root))
+    fresh.load_state_dict(state["model"])
+    same_weights = all(torch.equal(d.placement.local_tensor(a).plane("rowwise").data.view(torch.uint8),
+                                   d.placement.local_tensor(b).plane("rowwise").data.view(torch.uint8))
+                       for a, b in zip(model[0].parameters(), fresh[0].parameters()))
+    return fresh[-1].meta, same_weights
+
+
+def test_module_extra_state_of_another_length_loads(pools, tmp_path):
+    """A fresh TE module's extra state is empty; a trained one's is a blob of some length. Loading
+    must take the saved blob whatever the fresh one's length (DCP itself needs equal shapes)."""
+    world = WORLD_SIZES[0]
+    results = pools[world].run(_extra_state_roundtrip, str(tmp_path / "ckpt"), "current")
+    assert all(meta == b"amax history, scales, recipe" * 3 and same for meta, same in results), results
+
+
 def test_truncated_shard_file_names_entries_and_loads_nothing(pools, tmp_path):
     root = str(tmp_path / "ckpt")
     world = WORLD_SIZES[0]
