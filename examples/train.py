@@ -18,6 +18,7 @@ gathers columnwise planes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -179,6 +180,26 @@ def progress(step: int, total: int, loss: float, wire: int, bf16: int, tag: str)
           f"{wire / 2**20:6.3f} MiB (bf16 FSDP2: {bf16 / 2**20:6.3f} MiB, {ratio})", end="", flush=True)
 
 
+@contextlib.contextmanager
+def trusted_te_extra_state(enabled: bool):
+    """TE keeps delayed-scaling metadata (amax histories, scales) as a pickle in each module's extra
+    state and unpickles it only when told the checkpoint is trusted
+    (``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``). This run wrote its checkpoint a moment ago; set it
+    yourself only for checkpoints you trust."""
+    if not enabled:
+        yield
+        return
+    before = os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
+    os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
+        else:
+            os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = before
+
+
 def worker(rank: int, args) -> None:
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda":
@@ -218,7 +239,8 @@ def worker(rank: int, args) -> None:
     opt.init_state()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint(args.ckpt))
-    model.load_state_dict(state["model"])
+    with trusted_te_extra_state(args.te):
+        model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     if rank == 0:
         print(f"resumed from {dtensor_fp8.latest_checkpoint(args.ckpt)}")
