@@ -14,9 +14,10 @@
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
 (only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
-the metadata, as every scale does on a one-rank mesh, where the "gather" is a local copy). FSDP sizes its all-gather outputs once, at the first gather, and every later gather
-must hand over the same number of inputs with the same dtypes and numels, or it silently resizes
-them ("An output ... was resized") and corrupts the data. Forward (rowwise) and backward
+the metadata, as every scale does on a one-rank mesh, where the "gather" is a local copy). FSDP
+sizes its all-gather outputs once, at the first gather, and every later gather must hand over
+the same number of inputs with the same dtypes and numels, or it silently resizes them ("An
+output ... was resized") and corrupts the data. Forward (rowwise) and backward
 (columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
 padded to a per-codec slot size that fits either direction's local scale grid.
 

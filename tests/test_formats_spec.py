@@ -660,9 +660,10 @@ def test_delayed_update_scale_infinite_previous_scale(history):
     assert new_scale.item() == FLT_MAX
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["states", "one_state_missing"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("recipe_cls", [d.DelayedScaling, d.CurrentScaling])
-def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo):
+def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo, mixed):
     """An optimizer step requantizes all tensors of a recipe in one batch; each result must be what
     requantizing that tensor alone gives (bytes, scale_inv, delayed scaling's history and scale),
     for histories that roll (last != 0), stay (last == 0), hold a NaN, or see an Inf amax."""
@@ -675,6 +676,8 @@ def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo):
     states = [{"amax_history": torch.tensor(h), "scale": torch.tensor([0.5 + i])} for i, h in enumerate(histories)]
     if recipe_cls is d.CurrentScaling:
         states = [None] * 4
+    elif mixed:  # no state: that tensor keeps its current scale, the others update theirs
+        states[2] = None
     amaxes = [None, torch.tensor([[9.0]]), None, None]
     batch = list(recipe.requantize_planes(d.ROWWISE, hps, currents, amaxes, states))
     for i, (plane, state) in enumerate(batch):
@@ -684,6 +687,8 @@ def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo):
         if state is not None:
             assert_f32_equal(state["amax_history"], alone_state["amax_history"].tolist(), f"history {i}")
             assert_f32_equal(state["scale"], alone_state["scale"].tolist(), f"scale {i}")
+    if mixed and recipe_cls is d.DelayedScaling:
+        assert batch[2][1] is None and torch.equal(batch[2][0].scale_inv, currents[2].scale_inv)
     if recipe_cls is d.DelayedScaling:  # and "alone" itself follows record_amax + update_scale
         h = recipe.record_amax(states[0]["amax_history"], recipe.block_amax(hps[0], d.ROWWISE))
         exp_hist, exp_scale = recipe.update_scale(h, states[0]["scale"])

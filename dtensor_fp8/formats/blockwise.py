@@ -75,7 +75,7 @@ class Blockwise(Codec):
         return scale, reciprocal(scale)
 
     def quantize_plane(self, hp, usage, *, amax=None, scale=None):
-        if amax is None and scale is None and te_kernels.usable(hp):  # same bytes, one pass (te_kernels.py)
+        if amax is None and scale is None and te_kernels.takes_input(hp):  # same bytes, one pass (te_kernels.py)
             stored = self.stored_usage(usage)
             buffers = te_kernels.blockwise_quantize(
                 hp, block_dims=self.block_dims, fp8_dtype=self.fp8_dtype, force_pow_2_scales=self.force_pow_2_scales,

@@ -31,12 +31,12 @@ class _PerTensor(Codec):
         return _WHOLE_TENSOR
 
     def block_amax(self, hp: torch.Tensor, usage: str) -> torch.Tensor:
-        if te_kernels.usable(hp):  # same value, one pass (see te_kernels.py)
+        if te_kernels.takes_input(hp):  # same value, one pass (see te_kernels.py)
             return te_kernels.tensor_amax(hp)
         return super().block_amax(hp, usage)
 
     def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
-        if te_kernels.usable(hp):  # same bytes, one pass (see te_kernels.py)
+        if te_kernels.takes_input(hp):  # same bytes, one pass (see te_kernels.py)
             return te_kernels.cast_with_scale(hp, scale, self.fp8_dtype)
         return super().encode(hp, scale, usage)
 
@@ -121,9 +121,12 @@ class DelayedScaling(_PerTensor):
         return next(iter(self.requantize_planes(usage, [hp], [current], [amax], [state])))
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):
-        if any(s is None for s in states):  # keep the current scales (copy_ into existing FP8 tensors)
+        if all(s is None for s in states):  # keep the current scales (copy_ into existing FP8 tensors)
             return ((self.quantize_plane(hp, usage, scale=torch.reciprocal(cur.scale_inv.float())), None)
                     for hp, cur in zip(hps, currents))
+        if any(s is None for s in states):  # a mix: each tensor on its own
+            return (next(iter(self.requantize_planes(usage, [hp], [cur], [a], [s])))
+                    for hp, cur, a, s in zip(hps, currents, amaxes, states))
         # TE's order: the cast records its amax in history[0]; the update then rolls the history
         # and derives the scale used from now on. All tensors' histories are updated together.
         amax = self._amaxes(hps, amaxes, usage)

@@ -1,4 +1,4 @@
-"""Transformer Engine's CUDA kernels as the codecs' fast path: the same bytes, an order of magnitude faster.
+"""Transformer Engine's CUDA kernels as the codecs' fast path: the same bytes, several times faster.
 
 [Note: one set of bytes, two implementations]
 Every codec is written in plain torch: that reference runs everywhere (the CPU CI included) and is
@@ -54,6 +54,14 @@ def usable(hp: torch.Tensor) -> bool:
     fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``."""
     return (hp.is_cuda and hp.numel() > 0 and os.environ.get(ENV_SWITCH, "1") != "0"
             and _te() is not None)
+
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what TE's quantizers read
+
+
+def takes_input(hp: torch.Tensor) -> bool:
+    """:func:`usable`, for a high-precision input TE's quantizers read (fp32 / bf16 / fp16)."""
+    return hp.dtype in _INPUT_DTYPES and usable(hp)
 
 
 @contextlib.contextmanager

@@ -58,7 +58,7 @@ def _both(fn):
 def check_all_paths(name: str, x: torch.Tensor, seed: int) -> None:
     recipe = RECIPES[name][0]
     x2d = x.reshape(-1, x.shape[-1])
-    assert te_kernels.usable(x2d), "the TE fast path is not taken here (TE import or CUDA problem)"
+    assert te_kernels.takes_input(x2d), "the TE fast path is not taken here (TE import or CUDA problem)"
     scale = _delayed_scale(seed) if isinstance(recipe, d.DelayedScaling) else None
     for usage in recipe.stored_usages(True, True):
         what = f"{name}/{tuple(x.shape)}/{x.dtype}/{usage}"
