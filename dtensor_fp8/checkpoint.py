@@ -259,7 +259,7 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
     try:
         dcp.load(copies, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
     except (Exception, CheckpointException) as err:  # name the entries that cannot be read
-        bad = _unreadable_entries(flat, path)
+        bad = _unreadable_entries(flat, path, blobs)
         raise RuntimeError(
             f"checkpoint {path} could not be loaded; unreadable entries: {bad or 'unknown'}. The model was not "
             f"modified. Cause: {type(err).__name__}: {str(err)[:500]}"
@@ -317,7 +317,7 @@ def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
         meta = saved.get(key)
         if meta is None:
             raise RecipeError(f"{key}: missing from checkpoint {path}")
-        if (key.endswith(_EXTRA_STATE_SUFFIX) and isinstance(meta, TensorStorageMetadata)
+        if (_is_extra_state(key) and isinstance(meta, TensorStorageMetadata)
                 and not isinstance(value, DTensor)):
             blobs[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
         elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
@@ -325,12 +325,16 @@ def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
     return blobs
 
 
-def _unreadable_entries(flat: dict, path: str) -> list[str]:
+def _is_extra_state(key: str) -> bool:
+    return key == _EXTRA_STATE_SUFFIX or key.endswith("." + _EXTRA_STATE_SUFFIX)
+
+
+def _unreadable_entries(flat: dict, path: str, blobs: dict) -> list[str]:
     bad = []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
-        probe = {key: _clone(value)}
+        probe = {key: torch.empty_like(blobs[key]) if key in blobs else _clone(value)}
         try:
             dcp.load(probe, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
         except (Exception, CheckpointException):  # noqa: BLE001

@@ -122,6 +122,7 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     """Mark ``module`` so FSDP gathers of its FP8 weights carry both planes.
 
     Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself.
+    Call it before the first forward: each FSDP group looks for checkpointing once.
 
     Example:
         >>> dtensor_fp8.gather_both_usages(block); fully_shard(block)
@@ -193,7 +194,9 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
-            shared_scales[usage] = plane.scale_inv
+            # A copy, like the gathered data: an unsharded weight that outlives an optimizer step
+            # must not pair its old bytes with the shard's new scales.
+            shared_scales[usage] = plane.scale_inv.clone()
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
     te_view = getattr(module, "_dtensor_fp8_te_view", None)
     metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0])

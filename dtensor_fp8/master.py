@@ -84,7 +84,7 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
     for (codec, usage), batch in batches.items():
         names, qs, hps, planes, amaxes, states = zip(*batch)
         results = codec.requantize_planes(usage, list(hps), list(planes), list(amaxes), list(states))
-        for name, q, plane, (fresh, state) in zip(names, qs, planes, results):
+        for name, q, plane, (fresh, state) in zip(names, qs, planes, results, strict=True):
             if state is not None:
                 scaling_states[(name, usage)] = state
             plane.data.copy_(fresh.data)
@@ -106,8 +106,8 @@ class MasterWeightOptimizer:
 
     [Note: master dtype and memory]
     FP32 masters (the default) cost 4 bytes per weight, and a torch optimizer keeps its state in
-    the master's dtype (Adam: 8 more bytes), on top of the 1-byte FP8 weight and the gradient; the
-    gradient is also copied to FP32 for the step. ``master_dtype=torch.bfloat16`` keeps masters
+    the master's dtype (Adam: 8 more bytes), on top of the 1-byte FP8 weight and the gradient; a
+    bf16 gradient is also copied to FP32 for the step. ``master_dtype=torch.bfloat16`` keeps masters
     and optimizer state at 2 + 4 bytes, the precision a model trained with bf16 parameters has,
     and hands FSDP's bf16 gradient to the optimizer without a copy.
 

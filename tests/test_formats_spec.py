@@ -689,6 +689,16 @@ def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo, mixed):
             assert_f32_equal(state["scale"], alone_state["scale"].tolist(), f"scale {i}")
     if mixed and recipe_cls is d.DelayedScaling:
         assert batch[2][1] is None and torch.equal(batch[2][0].scale_inv, currents[2].scale_inv)
+    if recipe_cls is d.DelayedScaling:  # each row against TE's kernel_bulk, written out above
+        for i, (plane, state) in enumerate(batch):
+            if states[i] is None:
+                continue
+            amax = float(amaxes[i]) if amaxes[i] is not None else float(hps[i].abs().nan_to_num(nan=0.0, posinf=math.inf).max())
+            recorded = [float(v) for v in states[i]["amax_history"]]
+            recorded[0] = amax if math.isnan(recorded[0]) else max(recorded[0], amax)
+            exp_hist, exp_scale = kernel_bulk(recorded, float(states[i]["scale"]), 448.0, 0, algo)
+            assert_f32_equal(state["amax_history"], exp_hist, f"history {i} vs kernel_bulk")
+            assert_f32_equal(state["scale"], [exp_scale], f"scale {i} vs kernel_bulk")
     if recipe_cls is d.DelayedScaling:  # and "alone" itself follows record_amax + update_scale
         h = recipe.record_amax(states[0]["amax_history"], recipe.block_amax(hps[0], d.ROWWISE))
         exp_hist, exp_scale = recipe.update_scale(h, states[0]["scale"])

@@ -44,6 +44,8 @@ def _te():
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
     except Exception:  # noqa: BLE001  (ImportError, or a native library that fails to load)
         return None
+    if not all(hasattr(tex, f) for f in ("compute_amax", "fp8_transpose")):  # another TE version
+        return None
     dtypes = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
     return SimpleNamespace(tex=tex, Float8Quantizer=Float8Quantizer, Float8BlockQuantizer=Float8BlockQuantizer,
                            dtypes=dtypes)
@@ -56,18 +58,20 @@ def usable(hp: torch.Tensor) -> bool:
             and _te() is not None)
 
 
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what TE's quantizers read
+# What TE's quantizers read and tests/gpu/test_te_kernels.py checks (fp16 goes the reference way).
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def takes_input(hp: torch.Tensor) -> bool:
-    """:func:`usable`, for a high-precision input TE's quantizers read (fp32 / bf16 / fp16)."""
+    """:func:`usable`, for a high-precision input of a checked dtype (fp32 / bf16)."""
     return hp.dtype in _INPUT_DTYPES and usable(hp)
 
 
 @contextlib.contextmanager
 def reference_only():
     """Within the block every codec runs its pure-torch reference, also on CUDA (tests comparing
-    the two paths, benchmarks timing both). Sets ``DTENSOR_FP8_TE_KERNELS=0`` process-wide.
+    the two paths, benchmarks timing both). Sets ``DTENSOR_FP8_TE_KERNELS=0`` process-wide, so
+    it is not meant for threads running other FP8 work meanwhile.
 
     Example:
         >>> with reference_only():
