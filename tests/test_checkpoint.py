@@ -208,14 +208,22 @@ class _OpaqueExtraState(torch.nn.Module):
         return x
 
 
-def _extra_state_roundtrip(root, recipe_name):
-    model = d.quantize_module_(_hp_model(seed=1), RECIPES[recipe_name]())
-    model.append(_OpaqueExtraState(b"amax history, scales, recipe" * 3))
+def _with_extra_state(recipe_name, seed, meta=b""):
+    model = d.quantize_module_(_hp_model(seed=seed), RECIPES[recipe_name]())
+    model.append(_OpaqueExtraState(meta))
     _shard(model, "reshard")
+    return model
+
+
+def _saved_with_extra_state(root, recipe_name):
+    model = _with_extra_state(recipe_name, 1, b"amax history, scales, recipe" * 3)
     d.save_checkpoint({"model": model.state_dict()}, root, 1)
-    fresh = d.quantize_module_(_hp_model(seed=2), RECIPES[recipe_name]())
-    fresh.append(_OpaqueExtraState())
-    _shard(fresh, "reshard")
+    return model
+
+
+def _extra_state_roundtrip(root, recipe_name):
+    model = _saved_with_extra_state(root, recipe_name)
+    fresh = _with_extra_state(recipe_name, 2)
     state = {"model": fresh.state_dict()}
     d.load_checkpoint(state, d.latest_checkpoint(root))
     fresh.load_state_dict(state["model"])
@@ -231,6 +239,25 @@ def test_module_extra_state_of_another_length_loads(pools, tmp_path):
     world = WORLD_SIZES[0]
     results = pools[world].run(_extra_state_roundtrip, str(tmp_path / "ckpt"), "current")
     assert all(meta == b"amax history, scales, recipe" * 3 and same for meta, same in results), results
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process on purpose
+def test_unreadable_entries_do_not_blame_extra_state_of_another_length(tmp_path):
+    """When a load fails, the entries named unreadable are the ones DCP cannot read, not an extra
+    state that is merely longer in the checkpoint than in the fresh model (one process, no group)."""
+    import torch.distributed.checkpoint as dcp
+    from dtensor_fp8.checkpoint import _check_against_metadata, _unreadable_entries
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.arange(6.0), "m._extra_state": torch.arange(10, dtype=torch.uint8)}, checkpoint_id=path)
+    fresh = {"w": torch.zeros(6), "m._extra_state": torch.zeros(0, dtype=torch.uint8), "gone": torch.zeros(2)}
+    with pytest.raises(d.RecipeError, match="gone: missing"):
+        _check_against_metadata(fresh, path)
+    del fresh["gone"]
+    blobs = _check_against_metadata(fresh, path)
+    assert list(blobs) == ["m._extra_state"] and blobs["m._extra_state"].shape == (10,)
+    assert _unreadable_entries(fresh, path, blobs) == []
+    assert _unreadable_entries({"w": torch.zeros(7)}, path, {}) == ["w"]  # a real mismatch is named
 
 
 def test_truncated_shard_file_names_entries_and_loads_nothing(pools, tmp_path):
