@@ -18,6 +18,7 @@ from .formats import (
     DelayedScaling,
     MXFP8,
     Plane,
+    RECIPES,
     RecipeError,
 )
 from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
-    "QuantizedTensor", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
+    "QuantizedTensor", "RECIPES", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
     "export_hp_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
     "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module", "QuantizedTransposeView",

@@ -36,15 +36,6 @@ from torch.distributed.fsdp import fully_shard
 import dtensor_fp8
 from dtensor_fp8.comm import CollectiveBytes
 
-RECIPES = {
-    "mxfp8": lambda: dtensor_fp8.MXFP8(),
-    "delayed": lambda: dtensor_fp8.DelayedScaling(),
-    "current": lambda: dtensor_fp8.CurrentScaling(),
-    "blockwise1d": lambda: dtensor_fp8.Blockwise(block_dims=1),
-    "blockwise2d": lambda: dtensor_fp8.Blockwise(block_dims=2),
-}
-
-
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, ffn: int):
         super().__init__()
@@ -128,9 +119,9 @@ def build(args, device, mesh, fp8: bool):
     if fp8 and args.te:  # the TE layers' weights; embedding and head stay in high precision
         from dtensor_fp8.te import quantize_te_module_
 
-        quantize_te_module_(model.layers, RECIPES[args.recipe]())
+        quantize_te_module_(model.layers, dtensor_fp8.RECIPES[args.recipe])
     elif fp8:  # every Linear of the blocks; the output head stays in high precision
-        dtensor_fp8.quantize_module_(model, RECIPES[args.recipe](), filter_fn=lambda m, fqn: fqn.startswith("layers."))
+        dtensor_fp8.quantize_module_(model, dtensor_fp8.RECIPES[args.recipe], filter_fn=lambda m, fqn: fqn.startswith("layers."))
     else:
         model = model.to(torch.bfloat16)
     for layer in model.layers:
@@ -256,7 +247,7 @@ def worker(rank: int, args) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="mxfp8")
+    p.add_argument("--recipe", choices=sorted(dtensor_fp8.RECIPES), default="mxfp8")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--steps", type=int, default=40)

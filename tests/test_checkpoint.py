@@ -20,7 +20,7 @@ DIM, HIDDEN = 512, 1024
 
 
 def _build(recipe_name, mode, lr=1e-2):
-    model = d.quantize_module_(_hp_model(dim=DIM, hidden=HIDDEN), RECIPES[recipe_name]())
+    model = d.quantize_module_(_hp_model(dim=DIM, hidden=HIDDEN), RECIPES[recipe_name])
     if mode != "none":
         _shard(model, mode)
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=lr)
@@ -209,7 +209,7 @@ class _OpaqueExtraState(torch.nn.Module):
 
 
 def _with_extra_state(recipe_name, seed, meta=b""):
-    model = d.quantize_module_(_hp_model(seed=seed), RECIPES[recipe_name]())
+    model = d.quantize_module_(_hp_model(seed=seed), RECIPES[recipe_name])
     model.append(_OpaqueExtraState(meta))
     _shard(model, "reshard")
     return model
@@ -361,7 +361,7 @@ def _export_import(root, recipe_name):
     d.load_hp_state_dict(fresh, target, optimizer=fresh_opt)
     # the imported FP8 weights are quantize(hp values); masters are the hp values
     for name, p in fresh.named_parameters():
-        expected = d.quantize(full_hp[name], RECIPES[recipe_name]())
+        expected = d.quantize(full_hp[name], RECIPES[recipe_name])
         got = p.full_tensor()
         for usage in got.usages:
             assert torch.equal(got.plane(usage).data.view(torch.uint8), expected.plane(usage).data.view(torch.uint8)), name

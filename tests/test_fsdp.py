@@ -68,7 +68,7 @@ def _reference_input_grad(full_weights, x, upstream, backward_usage):
 
 
 def _direction(recipe_name, mode):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     hp = _hp_model()
     full = [d.quantize(hp[i].weight.detach(), recipe) for i in (0, 2)]
     model = d.quantize_module_(_hp_model(), recipe)
@@ -104,7 +104,7 @@ def _wire_bytes(recipe_name):
     model = _hp_model()
     numel = sum(p.numel() for p in model.parameters())
     if recipe_name != "bf16":
-        d.quantize_module_(model, RECIPES[recipe_name]())
+        d.quantize_module_(model, RECIPES[recipe_name])
     else:
         model = model.to(torch.bfloat16)
     _shard(model, "reshard")
@@ -135,7 +135,7 @@ STEPS = 20
 
 def _train(recipe_name, sharded, mode="reshard"):
     world = torch.distributed.get_world_size() if sharded else 1
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     model = d.quantize_module_(_hp_model(seed=3), recipe)
     if sharded:
         _shard(model, mode)
@@ -188,7 +188,7 @@ def test_training_matches_unsharded_run(pools, recipe_name):
 
 def _train_bf16_masters(recipe_name):
     """A bf16 model with FP8 weights and bf16 masters under FSDP2: what a step leaves behind."""
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     model = d.quantize_module_(_hp_model(seed=3).to(torch.bfloat16), recipe)
     _shard(model, "reshard")
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2, master_dtype=torch.bfloat16)
@@ -217,7 +217,7 @@ def _train_bf16_masters(recipe_name):
 def test_bf16_masters(pools, recipe_name):
     """``master_dtype=torch.bfloat16``: masters and optimizer state in bf16, FSDP's bf16 gradient
     used without a copy, and every FP8 plane the codec's quantization of its (full) master."""
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     losses, grads_shared, state_dtypes, master_dtypes, masters, planes = pools[WORLD_SIZES[0]].run(
         _train_bf16_masters, recipe_name)[0]
     assert losses[-1] < losses[0], losses
@@ -237,7 +237,7 @@ def test_master_dtype_must_be_floating():
 
 # ---- uneven shards and reshard_after_forward=int -----------------------------------------------------------
 def _uneven(recipe_name, rows):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     torch.manual_seed(0)
     layer = nn.Linear(DIM, rows, bias=False).to(DEVICE)
     full = d.quantize(layer.weight.detach(), recipe)

@@ -9,13 +9,7 @@ import dtensor_fp8 as d
 from conftest import assert_bytes_equal
 from dist_utils import DEVICE, WORLD_SIZES, CollectiveBytes
 
-RECIPES = {
-    "delayed": lambda: d.DelayedScaling(),
-    "current": lambda: d.CurrentScaling(),
-    "mxfp8": lambda: d.MXFP8(),
-    "blockwise1d": lambda: d.Blockwise(block_dims=1),
-    "blockwise2d": lambda: d.Blockwise(block_dims=2),
-}
+RECIPES = d.RECIPES
 
 
 def _input(shape, seed=0):
@@ -44,7 +38,7 @@ def expected_gather_bytes(shape, recipe, usage, world_size, dim=0):
 def _gather_each_usage(recipe_name, shape, dim):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(DEVICE, (world,))
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     x = _input(shape)
     full = d.quantize(x, recipe)
     dt = d.distribute(x, mesh, [Shard(dim)], recipe)
@@ -105,7 +99,7 @@ def _misaligned(recipe_name, shape):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(DEVICE, (world,))
     with pytest.raises(d.RecipeError) as err:
-        d.distribute(_input(shape), mesh, [Shard(0)], RECIPES[recipe_name]())
+        d.distribute(_input(shape), mesh, [Shard(0)], RECIPES[recipe_name])
     msg = str(err.value)
     for part in (str(tuple(shape)), f"over {world} ranks", "Fix:"):
         assert part in msg, msg
@@ -119,12 +113,12 @@ def test_misaligned_shards_raise_at_construction(pools, world_size, recipe_name)
     if _aligned(recipe_name, shape, world_size):
         pytest.skip("shape happens to be aligned at this world size")
     msgs = pools[world_size].run(_misaligned, recipe_name, shape)
-    assert RECIPES[recipe_name]().name in msgs[0]
+    assert RECIPES[recipe_name].name in msgs[0]
 
 
 def _aligned(recipe_name, shape, world):
     try:
-        d.check_shardable(shape, RECIPES[recipe_name](), 0, world)
+        d.check_shardable(shape, RECIPES[recipe_name], 0, world)
         return True
     except d.RecipeError:
         return False
@@ -143,17 +137,17 @@ def _plan_cache(recipe_name):
     plain = distribute_tensor(x, mesh, [Shard(0)])
     before = plain.redistribute(mesh, [Replicate()]).to_local()
     assert type(before) is torch.Tensor and torch.equal(before, x)
-    dt = d.distribute(x, mesh, [Shard(0)], RECIPES[recipe_name]())
+    dt = d.distribute(x, mesh, [Shard(0)], RECIPES[recipe_name])
     q = dt.redistribute(mesh, [Replicate()]).to_local()
     assert isinstance(q, d.QuantizedTensor)
-    assert_bytes_equal(q.dequantize(torch.float32), d.quantize(x, RECIPES[recipe_name]()).dequantize(torch.float32))
+    assert_bytes_equal(q.dequantize(torch.float32), d.quantize(x, RECIPES[recipe_name]).dequantize(torch.float32))
     after = distribute_tensor(x, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
     assert type(after) is torch.Tensor and torch.equal(after, x)
     # and back: Replicate -> Shard(0) of the quantized tensor keeps the block-aligned pieces
     resharded = DTensor.from_local(q, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)])
     local = resharded.to_local()
     assert isinstance(local, d.QuantizedTensor)
-    expected = d.distribute(x, mesh, [Shard(0)], RECIPES[recipe_name]()).to_local()
+    expected = d.distribute(x, mesh, [Shard(0)], RECIPES[recipe_name]).to_local()
     for usage in local.planes:
         assert_bytes_equal(local.planes[usage].data, expected.planes[usage].data, "reshard data")
         assert_bytes_equal(local.planes[usage].scale_inv, expected.planes[usage].scale_inv, "reshard scale")
@@ -169,7 +163,7 @@ def test_plain_shard_plans_are_not_confused_with_quantized_ones(pools, recipe_na
 def _shard_to_shard(recipe_name, src_dim, dst_dim):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(DEVICE, (world,))
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     x = _input((512, 512))
     expected = d.distribute(x, mesh, [Shard(dst_dim)], recipe).to_local()
     src = d.distribute(x, mesh, [Shard(src_dim)], recipe)

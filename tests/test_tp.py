@@ -109,7 +109,7 @@ def _batch(kind, step):
 
 # ---- placements ---------------------------------------------------------------------------------
 def _placements(recipe_name):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     hp = _hp_model("mlp")
     model, _ = _build("mlp", recipe, "2d")
     w1, w2 = model.w1.weight, model.w2.weight
@@ -170,7 +170,7 @@ PLANES_DIFFER = ("mxfp8", "blockwise1d")  # recipes whose columnwise plane holds
 
 
 def _direction(recipe_name):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     alternating = recipe_name in PLANES_DIFFER  # per-tensor recipes: one plane, transposed
     hp = _hp_model("mlp", alternating=alternating)
     full = [d.quantize(hp.w1.weight.detach(), recipe), d.quantize(hp.w2.weight.detach(), recipe)]
@@ -208,7 +208,7 @@ def test_backward_reads_the_columnwise_plane(pools, recipe_name):
 def test_local_gemms_pick_the_plane_by_contraction_dim(recipe_name):
     """What DTensor runs on the local tensors: aten.t + mm/addmm, one process."""
     w = _hp_model("mlp", alternating=True).w1.weight.detach()  # (HIDDEN, DIM)
-    q = d.quantize(w, RECIPES[recipe_name]())
+    q = d.quantize(w, RECIPES[recipe_name])
     row, col = q.dequantize(torch.float32, "rowwise"), q.dequantize(torch.float32, "columnwise")
     x, dy, bias = torch.randn(4, DIM), torch.randn(4, HIDDEN), torch.randn(HIDDEN)
     wt = q.t()
@@ -233,7 +233,7 @@ def test_gemm_without_the_needed_plane_raises():
 
 # ---- training parity with 1-D FSDP ---------------------------------------------------------------------
 def _train(kind, recipe_name, mesh_kind):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     model, dp_mesh = _build(kind, recipe, mesh_kind, seed=3)
     opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
@@ -306,7 +306,7 @@ class WireBytes(CollectiveBytes):
 
 
 def _wire_bytes(recipe_name):
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     model, _ = _build("mlp", recipe, "2d")
     x = torch.randn(BATCH, DIM, device=DEVICE, requires_grad=True)
     model(x).sum().backward()  # warm-up: lazy init
@@ -320,7 +320,7 @@ def _wire_bytes(recipe_name):
 def test_dp_gathers_move_fp8_bytes_and_tp_moves_activations(pools, recipe_name):
     from test_placement import expected_gather_bytes
 
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     calls, reduces = pools[WORLD].run(_wire_bytes, recipe_name)[0]
     # FSDP over dp: one gather per layer and direction (forward rowwise, backward columnwise), of the
     # tp-local weight's dp shard, in a uint8 buffer: FP8 data + block scales, never fp32 weights.
@@ -347,7 +347,7 @@ MISALIGNED_TP = {  # recipe -> (style, in_features, out_features) whose TP bound
 
 def _misaligned_tp(recipe_name):
     style, k, m = MISALIGNED_TP[recipe_name]
-    model = d.quantize_module_(nn.Sequential(nn.Linear(k, m, bias=False)), RECIPES[recipe_name]())
+    model = d.quantize_module_(nn.Sequential(nn.Linear(k, m, bias=False)), RECIPES[recipe_name])
     mesh = init_device_mesh(DEVICE, (DP, TP), mesh_dim_names=("dp", "tp"))
     plan = {"0": RowwiseParallel() if style == "row" else ColwiseParallel()}
     with pytest.raises(d.RecipeError) as err:
@@ -361,7 +361,7 @@ def _misaligned_tp(recipe_name):
 def test_misaligned_tp_shards_raise_with_the_fix(pools, recipe_name):
     style, k, m = MISALIGNED_TP[recipe_name]
     dim = 1 if style == "row" else 0
-    recipe = RECIPES[recipe_name]()
+    recipe = RECIPES[recipe_name]
     for msg in pools[WORLD].run(_misaligned_tp, recipe_name):
         for part in (str((m, k)), f"dim {dim}", f"tensor-parallel size {TP}", str(recipe.block_shape("rowwise")),
                      f"block of {recipe.shard_alignment(dim)}", "Fix:", recipe.name):

@@ -11,7 +11,7 @@ from test_tp import _batch, _build
 
 
 def _save_2d(root, recipe_name):
-    model, _ = _build("mlp", RECIPES[recipe_name](), "2d")
+    model, _ = _build("mlp", RECIPES[recipe_name], "2d")
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
     for step in range(2):
         x, target = _batch("mlp", step)
@@ -23,7 +23,7 @@ def _save_2d(root, recipe_name):
 
 
 def _load_1d(root, recipe_name):
-    model, _ = _build("mlp", RECIPES[recipe_name](), "1d")
+    model, _ = _build("mlp", RECIPES[recipe_name], "1d")
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
     opt.init_state()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}

@@ -43,7 +43,7 @@ def _train(recipe_name, two_d):
     with torch.no_grad():
         for layer in (model.w1, model.w2):
             layer.weight.mul_(torch.logspace(-1, 1, DIM, device=DEVICE)[:, None])
-    d.quantize_module_(model, RECIPES[recipe_name]())
+    d.quantize_module_(model, RECIPES[recipe_name])
     world = torch.distributed.get_world_size()
     if two_d:
         mesh = init_device_mesh(DEVICE, (DP, TP), mesh_dim_names=("dp", "tp"))

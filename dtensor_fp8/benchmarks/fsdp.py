@@ -26,16 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-RECIPE_NAMES = ("delayed", "current", "mxfp8", "blockwise1d", "blockwise2d")
-
-
-def _recipe(name):
-    import dtensor_fp8 as d
-
-    return {
-        "delayed": d.DelayedScaling, "current": d.CurrentScaling, "mxfp8": d.MXFP8,
-        "blockwise1d": lambda: d.Blockwise(block_dims=1), "blockwise2d": lambda: d.Blockwise(block_dims=2),
-    }[name]()
+from ..formats import RECIPES
 
 
 def _model(dim: int, layers: int, device) -> nn.Module:
@@ -70,7 +61,7 @@ def _run_variant(rank: int, world: int, store: str, variant: str, dim: int, laye
     if variant == "bf16":
         model = model.to(torch.bfloat16)
     else:
-        d.quantize_module_(model, _recipe(variant), keep_hp_init=False)
+        d.quantize_module_(model, d.RECIPES[variant], keep_hp_init=False)
     for layer in model:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
@@ -113,7 +104,7 @@ def measure(world: int = 2, dim: int = 2048, layers: int = 4, device_type: str =
     """Run every variant in fresh processes; return rank 0's measurements."""
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("bf16",) + RECIPE_NAMES:
+        for variant in ("bf16", *RECIPES):
             store = os.path.join(tmp, f"store_{variant}")
             torch.multiprocessing.spawn(_run_variant, args=(world, store, variant, dim, layers, device_type, tmp), nprocs=world)
             with open(os.path.join(tmp, f"{variant}.json")) as f:
