@@ -155,8 +155,17 @@ class _GatherMetadata(NamedTuple):
     orig_rows: int  # rows of the unpadded full weight
 
 
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
-    """``(stored planes, padded shard rows)`` for one kind of gather, after checking it is possible."""
+class _GatherPlan(NamedTuple):
+    """What one kind of gather of one weight sends; the same every step, so computed once."""
+
+    stored: tuple[str, ...]  # planes sent, in order
+    padded_rows: int  # rows of each rank's (padded) shard
+    sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
+    scale_slot: int  # numel of every scale input (see _scale_slot_numel)
+
+
+def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]) -> _GatherPlan:
+    """The plan for one kind of gather, after checking it is possible."""
     stored = q.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     check_shardable(outer_size, q.codec, 0, world, usages)
     padded_rows = -(-outer_size[0] // world)
@@ -168,7 +177,8 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
             f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
-    return stored, padded_rows
+    sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
+    return _GatherPlan(stored, padded_rows, sent_scales, _scale_slot_numel(q, padded_rows))
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
@@ -179,16 +189,15 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     key = (tuple(outer_size), world, usages)
     if key not in plans:
         plans[key] = _gather_plan(self, key[0], world, usages)
-    stored, padded_rows = plans[key]
+    stored, padded_rows, sent_scales, slot = plans[key]
     local = self
     if local.shape[0] != padded_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, padded_rows - local.shape[0]])
     inputs, shared_scales = [], {}
-    slot = _scale_slot_numel(local, padded_rows)
     for usage in stored:
         plane = local._planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
-        if world > 1 and _gathers_scale(local, usage):
+        if usage in sent_scales:
             scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
             padded = scale.new_zeros(slot)
             padded[: scale.numel()] = scale

@@ -55,10 +55,11 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
     jobs, spanning = [], []
     for name, p, hp in items:
         q = local_tensor(p)
+        sharded = _sharded_dims(p)
         for usage in q._planes:
             # Only blocks that span a sharded dim need their amax now (to reduce it); the codec
             # computes the others itself, fused into its quantization where it can.
-            reduce = any(q.codec.spans_dim(usage, d) for d in _sharded_dims(p))
+            reduce = any(q.codec.spans_dim(usage, d) for d in sharded)
             amax = q.codec.block_amax(hp, usage) if reduce else None
             if reduce:
                 spanning.append(amax.reshape(-1))
