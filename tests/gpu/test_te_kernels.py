@@ -24,27 +24,19 @@ with warnings.catch_warnings():
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the TE-kernel fast path runs on CUDA only", allow_module_level=True)
 
-from test_te_parity import HP_DTYPES, RECIPES, SHAPES, _delayed_scale, _seed, make_input, special_input  # noqa: E402
+from conftest import assert_bytes_equal  # noqa: E402
+from test_te_parity import HP_DTYPES, RECIPES, SHAPES, _delayed_scale, _seed, _u8, make_input, special_input  # noqa: E402
 
 import dtensor_fp8 as d  # noqa: E402
 from dtensor_fp8.formats import te_kernels  # noqa: E402
 from dtensor_fp8.master import requantize_from_hp_  # noqa: E402
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
 def assert_planes_equal(fast: d.Plane, ref: d.Plane, what: str) -> None:
     for field in ("data", "scale_inv"):
         a, b = getattr(fast, field), getattr(ref, field)
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}.{field}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        ua, ub = _u8(a), _u8(b)
-        if not torch.equal(ua, ub):
-            diff = (ua != ub).nonzero()
-            i = tuple(diff[0].tolist())
-            raise AssertionError(f"{what}.{field}: {diff.shape[0]} bytes differ, first at {i}: fast "
-                                 f"{ua[i].item():#04x} reference {ub[i].item():#04x}")
+        assert a.dtype == b.dtype, f"{what}.{field}: {a.dtype} vs {b.dtype}"
+        assert_bytes_equal(a, b, f"{what}.{field}")
 
 
 def _both(fn):
