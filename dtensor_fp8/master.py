@@ -52,31 +52,32 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
         scaling_states: per ``(name, usage)`` scaling state of stateful recipes (delayed
             scaling's amax history), updated in place; ``None`` keeps their current scales.
     """
-    jobs, spanning = [], []
+    jobs, spanning = [], {}
     for name, p, hp in items:
         q = local_tensor(p)
         sharded = _sharded_dims(p)
         for usage in q._planes:
             # Only blocks that span a sharded dim need their amax now (to reduce it); the codec
             # computes the others itself, fused into its quantization where it can.
-            reduce = any(q.codec.spans_dim(usage, d) for d in sharded)
-            amax = q.codec.block_amax(hp, usage) if reduce else None
-            if reduce:
-                spanning.append(amax.reshape(-1))
-            jobs.append((name, q, hp, usage, amax, reduce))
-    if spanning and dist.is_initialized():
-        # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks that
-        # replicate a shard contribute identical amaxes, so reducing over them too is harmless.
-        flat = torch.cat(spanning)
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        reduced = iter(flat.split([a.numel() for a in spanning]))
-    else:
-        reduced = iter(spanning)
+            if any(q.codec.spans_dim(usage, d) for d in sharded):
+                spanning.setdefault((q.codec, usage), []).append(len(jobs))
+            jobs.append((name, q, hp, usage))
+    amaxes = [None] * len(jobs)
+    if spanning:
+        for (codec, usage), idx in spanning.items():  # per recipe and plane, in one batch
+            for i, amax in zip(idx, codec.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
+                amaxes[i] = amax
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks
+            # that replicate a shard contribute identical amaxes, so reducing over them is harmless.
+            order = [i for idx in spanning.values() for i in idx]
+            flat = torch.cat([amaxes[i].reshape(-1) for i in order])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            for i, part in zip(order, flat.split([amaxes[i].numel() for i in order])):
+                amaxes[i] = part.reshape(amaxes[i].shape)
     # One call per (recipe, plane) for all its tensors: per-tensor scales are computed together.
     batches: dict = {}
-    for name, q, hp, usage, amax, reduce in jobs:
-        if reduce:
-            amax = next(reduced).reshape(amax.shape)
+    for (name, q, hp, usage), amax in zip(jobs, amaxes):
         plane = q._planes[usage]
         state = None
         if scaling_states is not None:
@@ -84,12 +85,12 @@ def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
         batches.setdefault((q.codec, usage), []).append((name, q, hp, plane, amax, state))
     for (codec, usage), batch in batches.items():
         names, qs, hps, planes, amaxes, states = zip(*batch)
-        results = codec.requantize_planes(usage, list(hps), list(planes), list(amaxes), list(states))
-        for name, q, plane, (fresh, state) in zip(names, qs, planes, results, strict=True):
+        # In place: the FP8 bytes and scales keep their storage (FSDP's sharded parameters,
+        # TE views and checkpoint plans all refer to it).
+        new_states = codec.requantize_planes_(usage, list(hps), list(planes), list(amaxes), list(states))
+        for name, q, state in zip(names, qs, new_states, strict=True):
             if state is not None:
                 scaling_states[(name, usage)] = state
-            plane.data.copy_(fresh.data)
-            plane.scale_inv.copy_(fresh.scale_inv)
             q.discard_transpose_cache()
 
 

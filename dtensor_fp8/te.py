@@ -146,12 +146,18 @@ def te_buffers(q: QuantizedTensor, usages: tuple[str, ...] | None = None) -> dic
     (and MXFP8 columnwise data, and the per-tensor scale_inv) are views of ``q``'s planes; for
     per-tensor recipes a transpose cache already built on ``q`` is reused."""
     usages = tuple(q.usages if usages is None else usages)
-    shape = tuple(q.shape)
-    layout = q.codec.te_layout(q._planes, shape, tuple(u for u in usages if not (
-        u == COLUMNWISE and isinstance(q.codec, _PerTensor) and q._transpose is not None)))
-    if isinstance(q.codec, _PerTensor):
-        if COLUMNWISE in usages and q._transpose is not None:
-            layout["_transpose"] = q._transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
+    return _te_buffers(q.codec, q._planes, tuple(q.shape), usages, q._transpose)
+
+
+def _te_buffers(codec: Codec, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None,
+                reuse: dict | None = None) -> dict[str, torch.Tensor | None]:
+    """:func:`te_buffers` from the parts of a QuantizedTensor (``reuse``: see ``Codec.te_layout``)."""
+    per_tensor = isinstance(codec, _PerTensor)
+    cached_transpose = per_tensor and transpose is not None
+    layout = codec.te_layout(planes, shape, tuple(u for u in usages if not (u == COLUMNWISE and cached_transpose)), reuse)
+    if per_tensor:
+        if COLUMNWISE in usages and cached_transpose:
+            layout["_transpose"] = transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
         names = _BUFFERS["Float8Tensor"]
     else:
         names = _BUFFERS["Float8BlockwiseQTensor"]
@@ -213,9 +219,23 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
 def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = None):
     """Point an existing TE tensor at ``q``'s buffers (FSDP's ``out=`` gathers); returns ``t``."""
     usages = tuple(q.usages if usages is None else usages)
-    bufs = te_buffers(q, usages)
+    return _point_te_tensor(t, q.codec, q._planes, tuple(q.shape), usages, q._transpose)
+
+
+#: Attribute of a TE tensor made by the FSDP hook: its padded scale tensors by TE name, kept across
+#: gathers (a forward gather sets only the rowwise ones, a backward gather only the columnwise).
+_SCALE_BUFFERS_ATTR = "_dtensor_fp8_scale_buffers"
+
+
+def _point_te_tensor(t, codec: Codec, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None):
+    """:func:`update_te_tensor_` from the parts of a QuantizedTensor. Padded scale tensors from
+    earlier calls on ``t`` are overwritten, not reallocated."""
+    kept = t.__dict__.setdefault(_SCALE_BUFFERS_ATTR, {})
+    bufs = _te_buffers(codec, planes, shape, usages, transpose, reuse=kept)
     for name, value in bufs.items():
         setattr(t, name, value)
+        if value is not None and name.endswith("_scale_inv") and name != "_scale_inv":
+            kept[name] = value
     if hasattr(t, "_transpose_invalid"):
         t._transpose_invalid = t._transpose is None
     if getattr(t, "_quantizer", None) is not None:
@@ -336,15 +356,23 @@ def quantize_te_module_(
     return module
 
 
-def fsdp_te_view(gathered: QuantizedTensor, out, orig_rows: int):
-    """Called by ``fsdp.fsdp_post_all_gather`` for parameters of marked TE modules.
+def fsdp_te_view(planes: dict, codec: Codec, shape: tuple[int, int], dtype: torch.dtype,
+                 usages: tuple[str, ...], out, orig_rows: int):
+    """Called by ``fsdp.fsdp_post_all_gather`` for parameters of marked TE modules, with the
+    gathered planes (views of FSDP's buffers) of a ``shape`` weight serving ``usages``.
 
     First gather (``out is None``): returns ``(te_tensor, ())`` — FSDP's unsharded parameter is a
-    TE tensor over the gathered buffers. Later gathers: re-point ``out``'s buffers in place.
+    TE tensor over the gathered buffers. Later gathers: re-point ``out``'s buffers in place
+    (every gather runs this, so it builds no QuantizedTensor unless rows must be cut off).
     """
     from .ops import slice_quantized
 
-    if gathered.shape[0] != orig_rows:
+    if out is not None and shape[0] == orig_rows:
+        # te_layout builds the transposed copy a columnwise usage needs.
+        _point_te_tensor(getattr(out, "_local_tensor", out), codec, planes, shape, usages)
+        return None
+    gathered = QuantizedTensor(planes, codec, shape, dtype, usages)
+    if shape[0] != orig_rows:
         gathered = slice_quantized(gathered, 0, 0, orig_rows)
     if out is not None:
         update_te_tensor_(getattr(out, "_local_tensor", out), gathered)

@@ -680,6 +680,18 @@ def test_requantize_planes_batch_equals_one_by_one(recipe_cls, algo, mixed):
         states[2] = None
     amaxes = [None, torch.tensor([[9.0]]), None, None]
     batch = list(recipe.requantize_planes(d.ROWWISE, hps, currents, amaxes, states))
+    # The in-place form (an optimizer step): the same bytes and states, in the existing storage.
+    targets = [d.Plane(c.data.clone(), c.scale_inv.clone()) for c in currents]
+    ptrs = [(t.data.data_ptr(), t.scale_inv.data_ptr()) for t in targets]
+    in_place_states = recipe.requantize_planes_(d.ROWWISE, hps, targets, amaxes, states)
+    assert [(t.data.data_ptr(), t.scale_inv.data_ptr()) for t in targets] == ptrs
+    for i, ((plane, state), target, in_place) in enumerate(zip(batch, targets, in_place_states, strict=True)):
+        assert torch.equal(target.data.view(torch.uint8), plane.data.view(torch.uint8)), i
+        assert torch.equal(target.scale_inv.view(torch.uint8), plane.scale_inv.view(torch.uint8)), i
+        assert (in_place is None) == (state is None), i
+        if state is not None:
+            for field in state:
+                assert torch.equal(in_place[field], state[field]), (i, field)
     for i, (plane, state) in enumerate(batch):
         alone, alone_state = recipe.requantize_plane(hps[i], d.ROWWISE, currents[i], amax=amaxes[i], state=states[i])
         assert torch.equal(plane.data.view(torch.uint8), alone.data.view(torch.uint8)), i

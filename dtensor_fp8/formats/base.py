@@ -112,9 +112,10 @@ class Codec(abc.ABC):
         """
 
     @abc.abstractmethod
-    def te_layout(self, planes: dict[str, Plane], shape, usages=USAGES) -> dict[str, torch.Tensor]:
+    def te_layout(self, planes: dict[str, Plane], shape, usages=USAGES, reuse=None) -> dict[str, torch.Tensor]:
         """TE's attribute names -> tensors for a tensor of logical ``shape`` serving ``usages``
-        (FP8 data as uint8, TE's padded scales and transposed storage)."""
+        (FP8 data as uint8, TE's padded scales and transposed storage). ``reuse``: name -> an
+        earlier padded scale tensor to overwrite (FSDP's later gathers of the same weight)."""
 
     @abc.abstractmethod
     def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
@@ -161,6 +162,10 @@ class Codec(abc.ABC):
         x = torch.nan_to_num(hp.abs(), nan=0.0, posinf=float("inf"))
         blocks, _ = _to_blocks(x, self.block_shape(usage))
         return blocks.amax(dim=(1, 3)).float()
+
+    def block_amaxes(self, usage: str, hps) -> list[torch.Tensor]:
+        """:meth:`block_amax` of several tensors (an optimizer step's batch)."""
+        return [self.block_amax(hp, usage) for hp in hps]
 
     def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
         """``saturate(hp * scale)`` cast to FP8 with round-to-nearest-even, per block."""
@@ -252,6 +257,20 @@ class Codec(abc.ABC):
         return (self.requantize_plane(hp, usage, cur, amax=a, state=s)
                 for hp, cur, a, s in zip(hps, currents, amaxes, states))
 
+    def requantize_planes_(self, usage: str, hps, planes, amaxes, states) -> list:
+        """:meth:`requantize_planes` written into the existing ``planes`` (data and scale_inv, in
+        place), as an optimizer step updates a model's FP8 weights; returns the new states.
+
+        Recipes with a kernel that casts straight into existing storage override this (no fresh
+        plane, no copy); here each fresh plane is copied in before the next is made.
+        """
+        new_states = []
+        for plane, (fresh, state) in zip(planes, self.requantize_planes(usage, hps, planes, amaxes, states), strict=True):
+            plane.data.copy_(fresh.data)
+            plane.scale_inv.copy_(fresh.scale_inv)
+            new_states.append(state)
+        return new_states
+
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)
 
@@ -330,8 +349,15 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pad_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Zero-padded copy of a 2-D tensor (TE's padded scale tensors)."""
+def pad_2d(t: torch.Tensor, rows: int, cols: int, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero-padded copy of a 2-D tensor (TE's padded scale tensors).
+
+    ``reuse``: an earlier result of the same shape to overwrite instead (one copy, no new
+    tensor; its padding is still zero, as only the valid region is ever written).
+    """
+    if reuse is not None and reuse.shape == (rows, cols) and reuse.dtype == t.dtype and reuse.device == t.device:
+        reuse[: t.shape[0], : t.shape[1]].copy_(t)
+        return reuse
     out = t.new_zeros((rows, cols))
     out[: t.shape[0], : t.shape[1]] = t
     return out

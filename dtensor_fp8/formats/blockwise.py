@@ -24,8 +24,8 @@ BLOCK = 128
 _SCALE_PAD = 4  # TE pads the inner dimension of blockwise scale tensors to a multiple of 4
 
 
-def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    return pad_2d(t, t.shape[0], cols)
+def _pad_cols(t: torch.Tensor, cols: int, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    return pad_2d(t, t.shape[0], cols, reuse)
 
 
 @dataclass(frozen=True, repr=True)
@@ -83,23 +83,25 @@ class Blockwise(Codec):
             return self.from_te_layout(buffers, tuple(hp.shape))[stored]
         return super().quantize_plane(hp, usage, amax=amax, scale=scale)
 
-    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE)):
+    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE), reuse=None):
         m, k = as_matrix_shape(shape)
+        reuse = reuse or {}
         out = {}
         if ROWWISE in usages:
             p = planes[ROWWISE]
             out["_rowwise_data"] = te_data(p.data, shape, transposed=False)
             if self.block_dims == 1:  # (M, K/128) stored transposed
-                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(m, _SCALE_PAD))
+                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(m, _SCALE_PAD), reuse.get("_rowwise_scale_inv"))
             else:
-                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(p.scale_inv.shape[1], _SCALE_PAD))
+                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(p.scale_inv.shape[1], _SCALE_PAD), reuse.get("_rowwise_scale_inv"))
         if COLUMNWISE in usages:
             p = planes[self.stored_usage(COLUMNWISE)]
             out["_columnwise_data"] = te_data(p.data, shape, transposed=True)
             if self.block_dims == 1:  # (M/128, K)
-                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(k, _SCALE_PAD))
+                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(k, _SCALE_PAD), reuse.get("_columnwise_scale_inv"))
             else:  # the transposed grid, (K/128, M/128)
-                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(p.scale_inv.shape[0], _SCALE_PAD))
+                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(p.scale_inv.shape[0], _SCALE_PAD),
+                                                    reuse.get("_columnwise_scale_inv"))
         return out
 
     def te_scale_extents(self, shape):

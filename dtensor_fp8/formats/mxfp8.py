@@ -104,17 +104,20 @@ class MXFP8(Codec):
         # E8M0 -> fp32 through torch's native cast: exact for every byte but 0xFF (NaN).
         return super().decode(data, scale_inv.float(), usage, dtype)
 
-    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE)):
+    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE), reuse=None):
         m, k = as_matrix_shape(shape)
+        reuse = reuse or {}
         out = {}
         if ROWWISE in usages:
             p = planes[ROWWISE]
             out["_rowwise_data"] = te_data(p.data, shape, transposed=False)
-            out["_rowwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(m, 128), round_up(-(-k // BLOCK), 4))
+            out["_rowwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(m, 128), round_up(-(-k // BLOCK), 4),
+                                               reuse.get("_rowwise_scale_inv"))
         if COLUMNWISE in usages:
             p = planes[COLUMNWISE]
             out["_columnwise_data"] = te_data(p.data, shape, transposed=False)
-            out["_columnwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(-(-m // BLOCK), 4), round_up(k, 128))
+            out["_columnwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(-(-m // BLOCK), 4), round_up(k, 128),
+                                                  reuse.get("_columnwise_scale_inv"))
         return out
 
     def te_scale_extents(self, shape):

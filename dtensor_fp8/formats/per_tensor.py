@@ -35,6 +35,11 @@ class _PerTensor(Codec):
             return te_kernels.tensor_amax(hp)
         return super().block_amax(hp, usage)
 
+    def block_amaxes(self, usage: str, hps) -> list[torch.Tensor]:
+        if all(te_kernels.takes_input(hp) for hp in hps):  # one vector, one kernel per tensor
+            return list(te_kernels.tensor_amaxes(list(hps)).reshape(-1, 1, 1).unbind(0))
+        return super().block_amaxes(usage, hps)
+
     def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
         if te_kernels.takes_input(hp):  # same bytes, one pass (see te_kernels.py)
             return te_kernels.cast_with_scale(hp, scale, self.fp8_dtype)
@@ -42,6 +47,8 @@ class _PerTensor(Codec):
 
     def _amaxes(self, hps, amaxes, usage) -> torch.Tensor:
         """Per-tensor amaxes as one ``(n,)`` vector (given ones kept, missing ones computed)."""
+        if all(a is None for a in amaxes) and all(te_kernels.takes_input(hp) for hp in hps):
+            return te_kernels.tensor_amaxes(list(hps))  # same values, written straight into one vector
         return torch.cat([(self.block_amax(hp, usage) if a is None else a).float().reshape(1)
                           for hp, a in zip(hps, amaxes)])
 
@@ -50,7 +57,19 @@ class _PerTensor(Codec):
         return (Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
                 for hp, scale, scale_inv in zip(hps, scales, scale_invs))
 
-    def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE)) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _casts_in_place(hps, planes) -> bool:
+        """Whether TE's cast can write each new plane straight into the existing one."""
+        return all(te_kernels.takes_input(hp) and p.data.is_contiguous() and p.scale_inv.is_contiguous()
+                   for hp, p in zip(hps, planes))
+
+    def _write_planes(self, hps, planes, scales: torch.Tensor, scale_invs: torch.Tensor) -> None:
+        """Cast each tensor into its existing plane with TE's kernel (the bytes ``encode`` makes),
+        then store every scale_inv with one batched copy."""
+        te_kernels.cast_with_scales_into(list(hps), scales.float(), [p.data for p in planes], self.fp8_dtype)
+        torch._foreach_copy_([p.scale_inv.view(-1) for p in planes], list(scale_invs.float().reshape(-1, 1).unbind(0)))
+
+    def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE), reuse=None) -> dict[str, torch.Tensor]:
         plane = planes[ROWWISE]
         out = {}
         if ROWWISE in usages:
@@ -127,15 +146,26 @@ class DelayedScaling(_PerTensor):
         if any(s is None for s in states):  # a mix: each tensor on its own
             return (next(iter(self.requantize_planes(usage, [hp], [cur], [a], [s])))
                     for hp, cur, a, s in zip(hps, currents, amaxes, states))
+        scales, new_states = self._next_scales(usage, hps, amaxes, states)
+        return zip(self._encode_each(hps, usage, scales, reciprocal(scales)), new_states)
+
+    def requantize_planes_(self, usage, hps, planes, amaxes, states):
+        if any(s is None for s in states) or not self._casts_in_place(hps, planes):
+            return super().requantize_planes_(usage, hps, planes, amaxes, states)
+        scales, new_states = self._next_scales(usage, hps, amaxes, states)
+        self._write_planes(hps, planes, scales, reciprocal(scales))
+        return new_states
+
+    def _next_scales(self, usage, hps, amaxes, states):
+        """Every tensor's new scale (``(n,)``) and scaling state, computed together."""
         # TE's order: the cast records its amax in history[0]; the update then rolls the history
         # and derives the scale used from now on. All tensors' histories are updated together.
         amax = self._amaxes(hps, amaxes, usage)
         histories = torch.stack([s["amax_history"].float() for s in states])
         histories[:, 0] = torch.fmax(histories[:, 0], amax)
         histories, scales = self._update_scales(histories, torch.cat([s["scale"].float().reshape(1) for s in states]))
-        planes = self._encode_each(hps, usage, scales, reciprocal(scales))
-        return ((plane, {"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()})
-                for plane, h, s, state in zip(planes, histories, scales, states))
+        return scales, [{"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()}
+                        for h, s, state in zip(histories, scales, states)]
 
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
@@ -225,3 +255,10 @@ class CurrentScaling(_PerTensor):
         # The scale is a function of each tensor's amax alone: compute all of them in one go.
         scales, scale_invs = self.scale_from_amax(self._amaxes(hps, amaxes, usage), usage)
         return zip(self._encode_each(hps, usage, scales, scale_invs), states)
+
+    def requantize_planes_(self, usage, hps, planes, amaxes, states):
+        if not self._casts_in_place(hps, planes):
+            return super().requantize_planes_(usage, hps, planes, amaxes, states)
+        scales, scale_invs = self.scale_from_amax(self._amaxes(hps, amaxes, usage), usage)
+        self._write_planes(hps, planes, scales, scale_invs)
+        return list(states)

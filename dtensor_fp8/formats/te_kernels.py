@@ -12,6 +12,7 @@ codec`` shows both):
 * the scaled, saturating per-tensor cast with a given scale: TE's ``Float8Quantizer`` — the scale
   is still ours (it may come from an amax reduced across shards, or a delayed-scaling history),
   which is also how TE casts sharded master weights (``transformer_engine.pytorch.tensor.utils``);
+  an optimizer step has it write straight into the weight's existing FP8 bytes;
 * blockwise quantization of a local shard (its blocks never straddle shards):
   ``Float8BlockQuantizer``, its output read back with the codec's ``from_te_layout``;
 * the FP8 byte transpose TE's Hopper GEMMs read for the backward pass: ``tex.fp8_transpose``
@@ -42,13 +43,14 @@ def _te():
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
     except Exception:  # noqa: BLE001  (ImportError, or a native library that fails to load)
         return None
     if not all(hasattr(tex, f) for f in ("compute_amax", "fp8_transpose")):  # another TE version
         return None
     dtypes = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
     return SimpleNamespace(tex=tex, Float8Quantizer=Float8Quantizer, Float8BlockQuantizer=Float8BlockQuantizer,
-                           dtypes=dtypes)
+                           Float8TensorStorage=Float8TensorStorage, dtypes=dtypes)
 
 
 def usable(hp: torch.Tensor) -> bool:
@@ -102,13 +104,40 @@ def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
     return amax.reshape(1, 1)
 
 
+def tensor_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
+    """``max(|hp|)`` of each tensor, NaN ignored, into one fp32 ``(n,)`` tensor: one kernel per
+    tensor writing its slot (as TE packs the amaxes of its own master-weight casts)."""
+    tex = _te().tex
+    out = torch.zeros(len(hps), dtype=torch.float32, device=hps[0].device)
+    for i, hp in enumerate(hps):
+        tex.compute_amax(hp.contiguous(), out[i : i + 1])
+    return out
+
+
 def cast_with_scale(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``saturate(hp * scale)`` in ``fp8_dtype`` (round to nearest even), one per-tensor ``scale``."""
     te = _te()
-    scratch_amax = torch.zeros(1, dtype=torch.float32, device=hp.device)  # the cast also records its amax
+    scratch_amax = torch.empty(1, dtype=torch.float32, device=hp.device)  # the cast also records its amax
     quantizer = te.Float8Quantizer(scale.float().reshape(1).to(hp.device), scratch_amax, te.dtypes[fp8_dtype],
                                    rowwise=True, columnwise=False)
     return quantizer(hp.contiguous())._data.view(fp8_dtype).reshape(hp.shape)
+
+
+def cast_with_scales_into(hps: list[torch.Tensor], scales: torch.Tensor, outs: list[torch.Tensor],
+                          fp8_dtype: torch.dtype) -> None:
+    """:func:`cast_with_scale` of each ``hps[i]`` with ``scales[i]``, written into the existing FP8
+    tensor ``outs[i]`` (an optimizer step rewriting weights in place: no new tensor, no copy).
+    Only the FP8 bytes are written; the caller stores the scale_invs."""
+    te = _te()
+    scratch = torch.empty(2, dtype=torch.float32, device=scales.device)  # amax the cast records, scale_inv slot
+    quantizer = te.Float8Quantizer(scales[0].reshape(1), scratch[0:1], te.dtypes[fp8_dtype], rowwise=True, columnwise=False)
+    # TE's storage class over our bytes: the cast kernel writes them directly.
+    target = te.Float8TensorStorage(data=None, fp8_scale_inv=scratch[1:2], fp8_dtype=te.dtypes[fp8_dtype],
+                                    data_transpose=None)
+    for hp, scale, out in zip(hps, scales, outs, strict=True):
+        quantizer.scale = scale.reshape(1)  # TE's extension reads the quantizer's attributes at each call
+        target._data = out.view(torch.uint8)
+        te.tex.quantize(hp.contiguous(), quantizer, target, None)
 
 
 def blockwise_quantize(hp: torch.Tensor, *, block_dims: int, fp8_dtype: torch.dtype, force_pow_2_scales: bool,
