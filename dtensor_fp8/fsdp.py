@@ -28,6 +28,7 @@ dropped after use, so it never outlives the unsharded parameter.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import sys
@@ -44,23 +45,40 @@ aten = torch.ops.aten
 
 
 # ---- the one place that reads private FSDP2 state ---------------------------------------------------
+@functools.cache
+def _fsdp_private():
+    """FSDP2's private classes this module reads, and the code objects of ``FSDPParamGroup``'s
+    methods (imported once; FSDP2 is loaded by then)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    # Some methods are decorated (e.g. to disable dynamo): their frames run the wrapped function.
+    methods = [f for f in vars(FSDPParamGroup).values() if inspect.isfunction(f)]
+    codes = frozenset(g.__code__ for f in methods for g in (f, inspect.unwrap(f)))
+    return FSDPParamGroup, TrainingState, codes
+
+
 def _current_param_group():
     """The ``FSDPParamGroup`` whose ``unshard`` is on the call stack (private FSDP2 API).
 
     ``fsdp_pre_all_gather`` is called from ``FSDPParamGroup.unshard`` -> ``foreach_all_gather``
-    -> ``FSDPParam.all_gather_inputs`` in torch 2.11 and 2.13; the hook's arguments do not
-    include the group, and the group is what knows the training state and whether it reshards.
+    -> ``FSDPParam.all_gather_inputs`` (one rank: from ``FSDPParamGroup.wait_for_unshard``) in
+    torch 2.11 and 2.13; the hook's arguments do not include the group, and the group is what
+    knows the training state and whether it reshards.
     """
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    frame = sys._getframe(1)
-    for _ in range(16):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, FSDPParamGroup):
-            return owner
-        frame = frame.f_back
+    group_cls, _, codes = _fsdp_private()
+    # Frames of FSDPParamGroup's methods first (reading ``f_locals`` copies a frame's locals on
+    # Python < 3.13), then, should another torch version wrap them differently, every frame.
+    for only_group_methods in (True, False):
+        frame = sys._getframe(1)
+        for _ in range(16):
+            if frame is None:
+                break
+            if not only_group_methods or frame.f_code in codes:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, group_cls):
+                    return owner
+            frame = frame.f_back
     return None
 
 
@@ -96,12 +114,11 @@ def _find_activation_checkpointing(group) -> bool:
 
 def fsdp_gather_usages() -> tuple[str, ...]:
     """Usages the FSDP2 all-gather in progress must deliver (see the note at the top)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
     group = _current_param_group()
     in_backward = torch._C._current_graph_task_id() != -1
     if group is None:  # called outside FSDP's unshard: deliver everything
         return (ROWWISE, COLUMNWISE)
+    TrainingState = _fsdp_private()[1]
     in_backward = in_backward or group._training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
     if _uses_activation_checkpointing(group):
         return (ROWWISE, COLUMNWISE)
@@ -158,13 +175,16 @@ class _GatherMetadata(NamedTuple):
 class _GatherPlan(NamedTuple):
     """What one kind of gather of one weight sends; the same every step, so computed once."""
 
+    world: int
     stored: tuple[str, ...]  # planes sent, in order
     padded_rows: int  # rows of each rank's (padded) shard
+    pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
     sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
+    te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
 
 
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]) -> _GatherPlan:
+def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
     """The plan for one kind of gather, after checking it is possible."""
     stored = q.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     check_shardable(outer_size, q.codec, 0, world, usages)
@@ -178,21 +198,25 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    return _GatherPlan(stored, padded_rows, sent_scales, _scale_slot_numel(q, padded_rows))
+    # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
+    te_view = vars(module).get("_dtensor_fp8_te_view") if module is not None else None
+    return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
+                       _scale_slot_numel(q, padded_rows), te_view)
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
-    world = mesh.size()
     usages = fsdp_gather_usages()
-    # The same few gathers repeat every step; their plans are kept on the (persistent) local shard.
+    # The same few gathers repeat every step; their plans are kept on the (persistent) local
+    # shard, keyed by the mesh object FSDP holds for the parameter's lifetime.
     plans = self.__dict__.setdefault("_gather_plans", {})
-    key = (tuple(outer_size), world, usages)
-    if key not in plans:
-        plans[key] = _gather_plan(self, key[0], world, usages)
-    stored, padded_rows, sent_scales, slot = plans[key]
+    key = (id(mesh), tuple(outer_size), usages, id(module))
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _gather_plan(self, key[1], mesh.size(), usages, module)
+    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view = plan
     local = self
-    if local.shape[0] != padded_rows:  # short last shard: pad to the padded shard size
-        local = aten.constant_pad_nd.default(local, [0, 0, 0, padded_rows - local.shape[0]])
+    if pad_rows:  # short last shard: pad to the padded shard size
+        local = aten.constant_pad_nd.default(local, [0, 0, 0, pad_rows])
     inputs, shared_scales = [], {}
     for usage in stored:
         plane = local._planes[usage]
@@ -206,8 +230,6 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             # A copy, like the gathered data: an unsharded weight that outlives an optimizer step
             # must not pair its old bytes with the shard's new scales.
             shared_scales[usage] = plane.scale_inv.clone()
-    # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
-    te_view = getattr(module, "_dtensor_fp8_te_view", None)
     metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0])
     if world == 1 and len(inputs) > 1:
         # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
@@ -261,9 +283,9 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         else:
             scale = shared_scales[usage]
         planes[usage] = Plane(data, scale)
-    gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
     if te_view is not None:  # the unsharded parameter is a TE tensor over these buffers (te.py)
-        return te_view(gathered, out, orig_rows)
+        return te_view(planes, self.codec, (full_rows, k), param_dtype, usages, out, orig_rows)
+    gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself). Under tensor
@@ -282,9 +304,31 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
     return gathered, ()
 
 
-# FSDP2 calls inspect.signature on the hook at every all-gather; a stored signature skips rebuilding it.
-fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
-QuantizedTensor.fsdp_pre_all_gather = fsdp_pre_all_gather
+class _BoundPreAllGather:
+    """``q.fsdp_pre_all_gather`` as FSDP2 reads it. FSDP2 calls ``inspect.signature`` on the hook
+    at every all-gather (to choose its calling convention); for a bound method that builds a new
+    ``Signature`` each time, for this object it returns the stored one."""
+
+    __slots__ = ("_tensor",)
+    __signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+         for n in ("mesh", "outer_size", "outer_stride", "module", "mp_policy")])
+
+    def __init__(self, tensor: QuantizedTensor):
+        self._tensor = tensor
+
+    def __call__(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return fsdp_pre_all_gather(self._tensor, mesh, outer_size, outer_stride, module, mp_policy)
+
+
+class _PreAllGatherHook:
+    """Descriptor: ``QuantizedTensor().fsdp_pre_all_gather`` is a :class:`_BoundPreAllGather`."""
+
+    def __get__(self, tensor, owner=None):
+        return fsdp_pre_all_gather if tensor is None else _BoundPreAllGather(tensor)
+
+
+QuantizedTensor.fsdp_pre_all_gather = _PreAllGatherHook()
 QuantizedTensor.fsdp_post_all_gather = fsdp_post_all_gather
 
 
