@@ -34,7 +34,9 @@ Masters of (b), (c), (d) start from the dequantized FP8 weights (no high-precisi
 Timing: ``--warmup`` steps (default 3), then ``--steps`` (default 10) steps, each between
 ``torch.cuda.synchronize()`` and a pair of CUDA events around forward + backward + optimizer step
 + zero_grad (a third event after backward splits forward + backward from the optimizer); the
-median is reported. Memory: ``torch.cuda.reset_peak_memory_stats()`` at the start
+median is reported, with the host's time to issue the step (``host ms``: when it is close to the
+step time, Python is the bottleneck, not the GPU). ``--gpu-only N`` times N more steps each queued
+behind a GPU sleep kernel, which gives the GPU's own time for a step. Memory: ``torch.cuda.reset_peak_memory_stats()`` at the start
 of each variant (its peak including model build: ``variant_peak``) and again after the warm-up
 (``step_peak``: the peak over the timed steps, shown in the table); everything is freed and
 ``empty_cache()`` called between variants. A variant that raises (an OOM included) is recorded and
@@ -304,7 +306,11 @@ def _check_ours_fp8(model, expected: int) -> tuple[bool, str]:
     return ok, f"{good}/{expected} GEMM weights are FP8 QuantizedTensor shards" + (f"; NOT: {bad[:4]}" if bad else "")
 
 
-def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
+def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = False):
+    """Build, warm up and time one variant; returns its result row, or with ``keep`` the pair
+    ``(row, step)``: the variant stays alive (``step(mid=None)`` runs one more training step) for
+    :func:`time_rounds`. Memory figures are what the variant allocated on top of what was
+    allocated before it was built (other kept variants, idle meanwhile)."""
     te = ns.te
     row = {"recipe": recipe_name, "variant": VARIANTS[variant][0], "key": variant}
     codec, make_recipe = _recipe_pair(recipe_name, ns)
@@ -314,7 +320,7 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     row["allocated_before_gib"] = base / GIB
-    model = opt = x = None
+    model = opt = x = kept = None
     handles = []
     t_setup = time.perf_counter()
     try:
@@ -322,7 +328,7 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         row.update(notes)
         torch.cuda.synchronize()
         row["setup_s"] = time.perf_counter() - t_setup
-        row["after_setup_gib"] = torch.cuda.memory_allocated() / GIB
+        row["after_setup_gib"] = (torch.cuda.memory_allocated() - base) / GIB
         fp8_recipe = make_recipe()
         g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
         x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -350,21 +356,24 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         seen.pop("_done", None)
         row["weights_in_forward"] = seen
         torch.cuda.synchronize()
-        row["warmup_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        row["warmup_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         torch.cuda.reset_peak_memory_stats()
-        ms, wall, fb = [], [], []
+        ms, wall, fb, host = [], [], [], []
         for _ in range(cfg.steps):
             start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             start.record()
             losses.append(step(mid))
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             wall.append((time.perf_counter() - t0) * 1e3)
             ms.append(start.elapsed_time(end))
             fb.append(start.elapsed_time(mid))
         row["step_ms"] = ms
+        row["host_ms"] = host
+        row["median_host_ms"] = statistics.median(host)
         row["fwd_bwd_ms"] = fb
         row["median_fwd_bwd_ms"] = statistics.median(fb)
         row["median_opt_ms"] = statistics.median(e - f for e, f in zip(ms, fb))
@@ -372,9 +381,12 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         row["median_ms"] = statistics.median(ms)
         row["min_ms"] = min(ms)
         row["median_wall_ms"] = statistics.median(wall)
-        row["step_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        row["step_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         row["variant_peak_gib"] = max(row["warmup_peak_gib"], row["step_peak_gib"])
-        row["resident_gib"] = torch.cuda.memory_allocated() / GIB
+        row["resident_gib"] = (torch.cuda.memory_allocated() - base) / GIB
+        if cfg.gpu_only:
+            row["gpu_only_ms"] = _gpu_only_times(step, cfg.gpu_only)
+            row["median_gpu_only_ms"] = statistics.median(row["gpu_only_ms"])
         if cfg.profile:
             row["profile"] = _profile(step, cfg, f"{recipe_name}_{VARIANTS[variant][0]}")
         vals = [float(v) for v in torch.stack(losses).cpu()]
@@ -391,6 +403,8 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         if variant in ("b", "c"):
             row["weights_after_steps"] = _weight_kinds(model)
         row["status"] = "ok"
+        if keep:
+            kept = step
     except torch.cuda.OutOfMemoryError as e:
         row["status"] = "OOM"
         row["error"] = f"OutOfMemoryError: {str(e).splitlines()[0][:300]}"
@@ -403,18 +417,77 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh) -> dict:
         for h in handles:
             h.remove()
         try:
-            row.setdefault("variant_peak_gib", torch.cuda.max_memory_allocated() / GIB)
+            row.setdefault("variant_peak_gib", (torch.cuda.max_memory_allocated() - base) / GIB)
         except Exception:  # noqa: BLE001
             pass
-        model = opt = x = step = None  # noqa: F841  (free the variant before the next)
-        gc.collect()
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            row["allocated_after_free_gib"] = torch.cuda.memory_allocated() / GIB
-        except Exception as e:  # noqa: BLE001
-            row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
-    return row
+        if kept is None:  # free the variant before the next (a kept step's closure still needs these)
+            model = opt = x = step = None  # noqa: F841
+            gc.collect()
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                row["allocated_after_free_gib"] = torch.cuda.memory_allocated() / GIB
+            except Exception as e:  # noqa: BLE001
+                row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
+    return (row, kept) if keep else row
+
+
+def time_rounds(live: list, rounds: int, steps: int) -> None:
+    """Time ``rounds`` x ``steps`` more steps of every kept variant, the variants taking turns
+    round by round, so slow and fast spells of the host fall on all of them alike. The rows'
+    ``median_ms`` (and the other step medians) become those over these steps."""
+    for _ in range(rounds):
+        for row, step in live:
+            for _ in range(steps):
+                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                start.record()
+                step(mid)
+                row.setdefault("round_host_ms", []).append((time.perf_counter() - t0) * 1e3)
+                end.record()
+                torch.cuda.synchronize()
+                row.setdefault("round_step_ms", []).append(start.elapsed_time(end))
+                row.setdefault("round_fwd_bwd_ms", []).append(start.elapsed_time(mid))
+    for row, _ in live:
+        ms, fb = row["round_step_ms"], row["round_fwd_bwd_ms"]
+        row["median_ms"] = statistics.median(ms)
+        row["min_ms"] = min(ms)
+        row["median_fwd_bwd_ms"] = statistics.median(fb)
+        row["median_opt_ms"] = statistics.median(e - f for e, f in zip(ms, fb))
+        row["median_host_ms"] = statistics.median(row["round_host_ms"])
+
+
+def _gpu_only_times(step, n_steps: int, sleep_cycles: int = 400_000_000) -> list[float]:
+    """GPU time of ``n_steps`` more steps with the host out of the way: each step is enqueued
+    behind a GPU sleep kernel long enough (~0.2 s) for the host to issue the whole step before
+    the GPU reaches it; the step's GPU time is the event time minus the sleep's. A step whose
+    host time exceeds the sleep (a host-device sync inside) raises rather than report a wrong
+    number."""
+    torch.cuda._sleep(1000)  # the first sleep of a process also pays for loading the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(sleep_cycles)
+    end.record()
+    torch.cuda.synchronize()
+    sleep_ms = start.elapsed_time(end)
+    out = []
+    for _ in range(n_steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(sleep_cycles)
+        t0 = time.perf_counter()
+        step()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        if host_ms > 0.8 * sleep_ms:
+            raise RuntimeError(f"--gpu-only: issuing a step took {host_ms:.1f} ms of host time, not well within "
+                               f"the {sleep_ms:.1f} ms GPU sleep ahead of it (a host-device sync in the step?)")
+        out.append(start.elapsed_time(end) - sleep_ms)
+    return out
 
 
 def _profile(step, cfg, tag: str, n_steps: int = 2) -> dict:
@@ -499,12 +572,19 @@ def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> s
 
 
 def format_breakdown(rows: list[dict]) -> str:
-    """Where the step time goes: forward + backward vs optimizer step (+ zero_grad), medians."""
-    lines = ["| recipe | variant | step ms | fwd+bwd ms | optimizer ms | resident GiB after step |", "|---|---|---:|---:|---:|---:|"]
+    """Where the step time goes: forward + backward vs optimizer step (+ zero_grad), the host's
+    time to issue a step, and (``--gpu-only``) the GPU's time for it; medians."""
+    lines = ["| recipe | variant | step ms | fwd+bwd ms | optimizer ms | host ms (issue) | GPU-only ms | "
+             "resident GiB after step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("status") == "ok":
+            gpu_only = f"{r['median_gpu_only_ms']:.1f}" if "median_gpu_only_ms" in r else "-"
             lines.append(f"| {r['recipe']} | {VARIANTS[r['key']][1]} | {r['median_ms']:.1f} | {r['median_fwd_bwd_ms']:.1f} | "
-                         f"{r['median_opt_ms']:.1f} | {r['resident_gib']:.2f} |")
+                         f"{r['median_opt_ms']:.1f} | {r['median_host_ms']:.1f} | {gpu_only} | {r['resident_gib']:.2f} |")
+    lines.append("")
+    lines.append("host ms: time for Python to issue a step (forward, backward, optimizer) before the GPU finishes it; "
+                 "when it is close to the step time the step is bound by the host, not the GPU. GPU-only ms: the step "
+                 "enqueued behind a GPU sleep, so the host never holds the GPU back.")
     return "\n".join(lines)
 
 
@@ -525,6 +605,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adam", choices=("fused", "foreach"), default="fused",
                    help="torch.optim.Adam implementation used by every variant (default fused: one CUDA kernel)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=0, metavar="R",
+                   help="keep every variant of a recipe alive and time R more rounds of --round-steps steps of "
+                        "each in turn; the step medians reported are over these interleaved steps (the host's "
+                        "speed drifts between spells of seconds; interleaving spreads that over all variants)")
+    p.add_argument("--round-steps", type=int, default=5)
+    p.add_argument("--gpu-only", type=int, default=0, metavar="N",
+                   help="also time N steps each enqueued behind a GPU sleep, so the host never holds the GPU back "
+                        "(GPU-only ms in the breakdown)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
                    "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
     p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")
@@ -539,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--hidden must be a multiple of --heads")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
+    if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1:
+        p.error("--gpu-only and --rounds must be >= 0, --round-steps >= 1")
 
     ns, reason = _import_te()
     if ns is None:
@@ -555,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     cc = torch.cuda.get_device_capability()
     device_name = torch.cuda.get_device_name()
     config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
-                                            "lr", "seed", "adam")}
+                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps")}
     print(f"# te_step: {args.layers} x TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
           f"input {args.seq}x{args.batch}; {device_name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}; "
           f"TE {ns.version}", flush=True)
@@ -564,15 +654,28 @@ def main(argv: list[str] | None = None) -> int:
         mesh = _init_process_group(tmp)
         try:
             for rec in recipes:
+                live = []
                 for v in variants:
                     t0 = time.perf_counter()
-                    r = run_variant(v, rec, ns, args, mesh)
+                    r = run_variant(v, rec, ns, args, mesh, keep=args.rounds > 0)
+                    if args.rounds > 0:
+                        r, step = r
+                        if step is not None:
+                            live.append((r, step))
                     r["variant_wall_s"] = time.perf_counter() - t0
                     rows.append(r)
                     msg = (f"{r['median_ms']:.2f} ms, step peak {r['step_peak_gib']:.2f} GiB"
                            if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}")
                     print(f"  {rec:<12} {VARIANTS[v][1]:<32} {msg}  [{r['variant_wall_s']:.1f} s]"
                           + (f"  WARNING: {r['warning']}" if r.get("warning") else ""), flush=True)
+                if live:
+                    time_rounds(live, args.rounds, args.round_steps)
+                    print(f"  {rec:<12} interleaved: " + ", ".join(
+                        f"{r['key']} {r['median_ms']:.1f}" for r, _ in live) + " ms", flush=True)
+                    live = step = None
+                    gc.collect()
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -588,9 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name, "compute_capability": list(cc), "torch": torch.__version__, "cuda": torch.version.cuda,
         "transformer_engine": ns.version, "python": platform.python_version(), "config": config,
         "recipes": recipes, "variants": {v: VARIANTS[v][1] for v in variants},
-        "timing": "median of per-step CUDA-event times (synchronize before each step) over the timed steps, after warm-up",
+        "timing": ("median of per-step CUDA-event times (synchronize before each step) over the timed steps, after "
+                   "warm-up" + (f"; then over {args.rounds} interleaved rounds of {args.round_steps} steps per variant "
+                                "(all variants of a recipe alive, taking turns)" if args.rounds else "")),
         "memory": "step_peak: max_memory_allocated over the timed steps (reset after warm-up); variant_peak: from "
-                  "the start of the variant (model build included)",
+                  "the start of the variant (model build included); both minus what was allocated before the "
+                  "variant was built",
         "argv": sys.argv,
     }
     os.makedirs(args.out, exist_ok=True)
