@@ -36,7 +36,9 @@ Timing: ``--warmup`` steps (default 3), then ``--steps`` (default 10) steps, eac
 + zero_grad (a third event after backward splits forward + backward from the optimizer); the
 median is reported, with the host's time to issue the step (``host ms``: when it is close to the
 step time, Python is the bottleneck, not the GPU). ``--gpu-only N`` times N more steps each queued
-behind a GPU sleep kernel, which gives the GPU's own time for a step. Memory: ``torch.cuda.reset_peak_memory_stats()`` at the start
+behind a GPU sleep kernel, which gives the GPU's own time for a step; ``--host-split`` sums the host
+time spent inside FSDP2's per-group steps, the all-gather hooks and the requantization; ``--rounds
+R`` re-times every variant in R interleaved rounds. Memory: ``torch.cuda.reset_peak_memory_stats()`` at the start
 of each variant (its peak including model build: ``variant_peak``) and again after the warm-up
 (``step_peak``: the peak over the timed steps, shown in the table); everything is freed and
 ``empty_cache()`` called between variants. A variant that raises (an OOM included) is recorded and
@@ -47,7 +49,9 @@ config) to ``--out/te_step.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -359,18 +363,11 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
         row["warmup_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         torch.cuda.reset_peak_memory_stats()
         ms, wall, fb, host = [], [], [], []
-        for _ in range(cfg.steps):
-            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            start.record()
-            losses.append(step(mid))
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            torch.cuda.synchronize()
-            wall.append((time.perf_counter() - t0) * 1e3)
-            ms.append(start.elapsed_time(end))
-            fb.append(start.elapsed_time(mid))
+        split = _HostSplit() if cfg.host_split else contextlib.nullcontext()
+        with split:
+            _timed_steps(cfg.steps, step, losses, ms, wall, fb, host)
+        if cfg.host_split:
+            row["host_split_ms"] = split.per_step(cfg.steps)
         row["step_ms"] = ms
         row["host_ms"] = host
         row["median_host_ms"] = statistics.median(host)
@@ -430,6 +427,83 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
             except Exception as e:  # noqa: BLE001
                 row["cleanup_error"] = f"{type(e).__name__}: {e}"[:300]
     return (row, kept) if keep else row
+
+
+def _timed_steps(n: int, step, losses: list, ms: list, wall: list, fb: list, host: list) -> None:
+    """``n`` steps, each between synchronizes: CUDA-event time of the step and of its forward +
+    backward, wall time, and the host's time to issue it."""
+    for _ in range(n):
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        losses.append(step(mid))
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        ms.append(start.elapsed_time(end))
+        fb.append(start.elapsed_time(mid))
+
+
+class _HostSplit:
+    """``--host-split``: host time spent inside FSDP2's per-group steps, the FP8 all-gather hooks
+    (ours and TE's) and our optimizer-step requantization, summed per step. The entries nest
+    (``wait_for_unshard`` runs the hooks on one rank), so they are read side by side, not added.
+    Each wrapped call costs about a microsecond more."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self._saved: list = []
+
+    def _targets(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        import dtensor_fp8.fsdp as dfsdp
+        import dtensor_fp8.master as dmaster
+        from dtensor_fp8.tensor import QuantizedTensor
+
+        out = [(FSDPParamGroup, "unshard", "FSDP2 unshard (all-gather issue)"),
+               (FSDPParamGroup, "wait_for_unshard", "FSDP2 wait_for_unshard (copy-out + post-all-gather hooks)"),
+               (FSDPParamGroup, "post_backward", "FSDP2 post_backward (reduce-scatter)"),
+               (FSDPParamGroup, "reshard", "FSDP2 reshard"),
+               (dfsdp, "fsdp_pre_all_gather", "dtensor_fp8 pre-all-gather hook"),
+               (QuantizedTensor, "fsdp_post_all_gather", "dtensor_fp8 post-all-gather hook"),
+               (dmaster, "requantize_from_hp_", "dtensor_fp8 requantize (optimizer step)")]
+        try:
+            from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+            out += [(Float8Tensor, n, f"TE Float8Tensor.{n}") for n in ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+                    if n in vars(Float8Tensor)]
+        except ImportError:  # pragma: no cover
+            pass
+        return out
+
+    def __enter__(self):
+        for owner, name, label in self._targets():
+            original = vars(owner)[name]
+            self._saved.append((owner, name, original))
+            setattr(owner, name, self._wrap(original, label))
+        return self
+
+    def _wrap(self, fn, label):
+        totals = self.totals
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {k: v * 1e3 / steps for k, v in self.totals.items()}
 
 
 def time_rounds(live: list, rounds: int, steps: int) -> None:
@@ -571,6 +645,22 @@ def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> s
     return "\n".join(lines)
 
 
+def format_host_split(rows: list[dict]) -> str:
+    """``--host-split``: host ms per step inside each timed function, per variant."""
+    rows = [r for r in rows if r.get("host_split_ms")]
+    if not rows:
+        return ""
+    labels = list(dict.fromkeys(k for r in rows for k in r["host_split_ms"]))
+    lines = ["| recipe | variant | host ms (issue) | " + " | ".join(labels) + " |", "|---|---|---:|" + "---:|" * len(labels)]
+    for r in rows:
+        cells = [f"{r['host_split_ms'][k]:.2f}" if k in r["host_split_ms"] else "-" for k in labels]
+        lines.append(f"| {r['recipe']} | {VARIANTS[r['key']][1]} | {statistics.median(r['host_ms']):.1f} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("host ms per step spent inside each function during the first timed steps (entries nest: on one rank "
+                 "wait_for_unshard runs the post-all-gather hooks, and the pre-all-gather hook too)")
+    return "\n".join(lines)
+
+
 def format_breakdown(rows: list[dict]) -> str:
     """Where the step time goes: forward + backward vs optimizer step (+ zero_grad), the host's
     time to issue a step, and (``--gpu-only``) the GPU's time for it; medians."""
@@ -610,6 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                         "each in turn; the step medians reported are over these interleaved steps (the host's "
                         "speed drifts between spells of seconds; interleaving spreads that over all variants)")
     p.add_argument("--round-steps", type=int, default=5)
+    p.add_argument("--host-split", action="store_true",
+                   help="time the host's work inside FSDP2's unshard / wait_for_unshard / post_backward / reshard, "
+                        "the FP8 all-gather hooks (ours, TE's) and our requantization during the first --steps "
+                        "timed steps (host split table)")
     p.add_argument("--gpu-only", type=int, default=0, metavar="N",
                    help="also time N steps each enqueued behind a GPU sleep, so the host never holds the GPU back "
                         "(GPU-only ms in the breakdown)")
@@ -645,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     cc = torch.cuda.get_device_capability()
     device_name = torch.cuda.get_device_name()
     config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
-                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps")}
+                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps", "host_split")}
     print(f"# te_step: {args.layers} x TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
           f"input {args.seq}x{args.batch}; {device_name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}; "
           f"TE {ns.version}", flush=True)
@@ -682,8 +776,12 @@ def main(argv: list[str] | None = None) -> int:
 
     table = format_table(rows, recipes, variants)
     breakdown = format_breakdown(rows)
+    host_split = format_host_split(rows)
     print()
     print(breakdown)
+    if host_split:
+        print()
+        print(host_split)
     print()
     print(table)
     meta = {
@@ -702,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "te_step.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows, "table_markdown": table, "breakdown_markdown": breakdown}, f, indent=1, default=str)
+        json.dump({"meta": meta, "results": rows, "table_markdown": table, "breakdown_markdown": breakdown,
+                   "host_split_markdown": host_split}, f, indent=1, default=str)
     print(f"\nwrote {path}")
     return 0
 
