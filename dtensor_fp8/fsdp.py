@@ -32,6 +32,7 @@ import functools
 import inspect
 import math
 import sys
+import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -114,7 +115,11 @@ def _find_activation_checkpointing(group) -> bool:
 
 def fsdp_gather_usages() -> tuple[str, ...]:
     """Usages the FSDP2 all-gather in progress must deliver (see the note at the top)."""
-    group = _current_param_group()
+    return _usages_for(_current_param_group())
+
+
+def _usages_for(group) -> tuple[str, ...]:
+    """:func:`fsdp_gather_usages` for the gather of ``group`` (``None``: outside FSDP's unshard)."""
     in_backward = torch._C._current_graph_task_id() != -1
     if group is None:  # called outside FSDP's unshard: deliver everything
         return (ROWWISE, COLUMNWISE)
@@ -170,6 +175,8 @@ class _GatherMetadata(NamedTuple):
     packed_layout: list | None  # one-rank packing of all parts into one input (see below)
     te_view: Callable | None  # TE adapter hook of the owning module (te.py)
     orig_rows: int  # rows of the unpadded full weight
+    cols: int  # columns of the weight (shards split rows only)
+    fp8_dtypes: tuple  # dtype of each plane in ``stored``
 
 
 class _GatherPlan(NamedTuple):
@@ -182,6 +189,7 @@ class _GatherPlan(NamedTuple):
     sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
     te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
+    fp8_dtypes: tuple  # dtype of each plane in ``stored``
 
 
 def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
@@ -200,12 +208,27 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
     te_view = vars(module).get("_dtensor_fp8_te_view") if module is not None else None
+    fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.codec.fp8_dtype for u in stored)
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
-                       _scale_slot_numel(q, padded_rows), te_view)
+                       _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes)
+
+
+def _param_group_of(q: QuantizedTensor, mesh, module):
+    """The FSDPParamGroup gathering ``q`` (found on the call stack once, then kept on the local
+    shard: a parameter's group is fixed when ``fully_shard`` runs)."""
+    groups = q.__dict__.setdefault("_fsdp_groups", {})
+    key = (id(mesh), id(module))
+    ref = groups.get(key)
+    group = ref() if ref is not None else None
+    if group is None:
+        group = _current_param_group()
+        if group is not None:
+            groups[key] = weakref.ref(group)
+    return group
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
-    usages = fsdp_gather_usages()
+    usages = _usages_for(_param_group_of(self, mesh, module))
     # The same few gathers repeat every step; their plans are kept on the (persistent) local
     # shard, keyed by the mesh object FSDP holds for the parameter's lifetime.
     plans = self.__dict__.setdefault("_gather_plans", {})
@@ -213,7 +236,7 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     plan = plans.get(key)
     if plan is None:
         plan = plans[key] = _gather_plan(self, key[1], mesh.size(), usages, module)
-    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view = plan
+    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes = plan
     local = self
     if pad_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, pad_rows])
@@ -230,7 +253,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             # A copy, like the gathered data: an unsharded weight that outlives an optimizer step
             # must not pair its old bytes with the shard's new scales.
             shared_scales[usage] = plane.scale_inv.clone()
-    metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0])
+    metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0],
+                               outer_size[1], fp8_dtypes)
     if world == 1 and len(inputs) > 1:
         # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
         # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
@@ -261,14 +285,12 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows = metadata
+    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     full_rows = padded_rows * world
-    k = self.shape[1]
     planes, i = {}, 0
-    for usage in stored:
-        fp8_dtype = self._planes[usage].data.dtype if usage in self._planes else self.codec.fp8_dtype
+    for usage, fp8_dtype in zip(stored, fp8_dtypes):
         data = outputs[i].view(full_rows, k).view(fp8_dtype)
         i += 1
         if usage not in shared_scales:

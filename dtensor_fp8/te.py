@@ -29,6 +29,7 @@ Transformer Engine is optional: it is imported inside the functions of this modu
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -152,16 +153,21 @@ def te_buffers(q: QuantizedTensor, usages: tuple[str, ...] | None = None) -> dic
 def _te_buffers(codec: Codec, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None,
                 reuse: dict | None = None) -> dict[str, torch.Tensor | None]:
     """:func:`te_buffers` from the parts of a QuantizedTensor (``reuse``: see ``Codec.te_layout``)."""
-    per_tensor = isinstance(codec, _PerTensor)
-    cached_transpose = per_tensor and transpose is not None
-    layout = codec.te_layout(planes, shape, tuple(u for u in usages if not (u == COLUMNWISE and cached_transpose)), reuse)
-    if per_tensor:
-        if COLUMNWISE in usages and cached_transpose:
-            layout["_transpose"] = transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
-        names = _BUFFERS["Float8Tensor"]
+    per_tensor = _is_per_tensor(type(codec))
+    if per_tensor and transpose is not None and COLUMNWISE in usages:
+        layout = codec.te_layout(planes, shape, tuple(u for u in usages if u != COLUMNWISE), reuse)
+        layout["_transpose"] = transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
     else:
-        names = _BUFFERS["Float8BlockwiseQTensor"]
+        layout = codec.te_layout(planes, shape, usages, reuse)
+    names = _BUFFERS["Float8Tensor"] if per_tensor else _BUFFERS["Float8BlockwiseQTensor"]
     return {n: layout.get(n) for n in names}
+
+
+@functools.cache
+def _is_per_tensor(codec_type: type) -> bool:
+    """``issubclass(codec_type, _PerTensor)``, memoized: FSDP's hook asks at every gather, and an
+    ABC subclass check is not free."""
+    return issubclass(codec_type, _PerTensor)
 
 
 def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, quantizer=None,
