@@ -164,7 +164,16 @@ class Codec(abc.ABC):
         return blocks.amax(dim=(1, 3)).float()
 
     def block_amaxes(self, usage: str, hps) -> list[torch.Tensor]:
-        """:meth:`block_amax` of several tensors (an optimizer step's batch)."""
+        """:meth:`block_amax` of several tensors (an optimizer step's batch); per-tensor recipes
+        compute them into one vector on CUDA.
+
+        Args:
+            usage: the plane whose blocks are meant.
+            hps: 2-D high-precision tensors.
+
+        Example:
+            >>> CurrentScaling().block_amaxes("rowwise", [w1, w2])  # [amax grid of w1, of w2]
+        """
         return [self.block_amax(hp, usage) for hp in hps]
 
     def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
@@ -263,6 +272,14 @@ class Codec(abc.ABC):
 
         Recipes with a kernel that casts straight into existing storage override this (no fresh
         plane, no copy); here each fresh plane is copied in before the next is made.
+
+        Args:
+            usage, hps, amaxes, states: as :meth:`requantize_planes` takes them.
+            planes: the planes to overwrite (also the current planes: a stateful recipe without a
+                state keeps its scale).
+
+        Example:
+            >>> states = DelayedScaling().requantize_planes_("rowwise", [master], [q.plane("rowwise")], [None], [state])
         """
         new_states = []
         for plane, (fresh, state) in zip(planes, self.requantize_planes(usage, hps, planes, amaxes, states), strict=True):

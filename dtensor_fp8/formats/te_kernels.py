@@ -106,7 +106,14 @@ def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
 
 def tensor_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
     """``max(|hp|)`` of each tensor, NaN ignored, into one fp32 ``(n,)`` tensor: one kernel per
-    tensor writing its slot (as TE packs the amaxes of its own master-weight casts)."""
+    tensor writing its slot (as TE packs the amaxes of its own master-weight casts).
+
+    Args:
+        hps: non-empty CUDA tensors of a :func:`takes_input` dtype.
+
+    Example:
+        >>> tensor_amaxes([w1, w2])  # tensor([max|w1|, max|w2|])
+    """
     tex = _te().tex
     out = torch.zeros(len(hps), dtype=torch.float32, device=hps[0].device)
     for i, hp in enumerate(hps):
@@ -127,7 +134,17 @@ def cast_with_scales_into(hps: list[torch.Tensor], scales: torch.Tensor, outs: l
                           fp8_dtype: torch.dtype) -> None:
     """:func:`cast_with_scale` of each ``hps[i]`` with ``scales[i]``, written into the existing FP8
     tensor ``outs[i]`` (an optimizer step rewriting weights in place: no new tensor, no copy).
-    Only the FP8 bytes are written; the caller stores the scale_invs."""
+    Only the FP8 bytes are written; the caller stores the scale_invs.
+
+    Args:
+        hps: high-precision CUDA tensors of a :func:`takes_input` dtype.
+        scales: fp32 ``(n,)``, one scale per tensor, on the same device.
+        outs: contiguous ``fp8_dtype`` tensors of the shapes of ``hps``.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Example:
+        >>> cast_with_scales_into([w], torch.tensor([2.0], device="cuda"), [plane.data], torch.float8_e4m3fn)
+    """
     te = _te()
     scratch = torch.empty(2, dtype=torch.float32, device=scales.device)  # amax the cast records, scale_inv slot
     quantizer = te.Float8Quantizer(scales[0].reshape(1), scratch[0:1], te.dtypes[fp8_dtype], rowwise=True, columnwise=False)
