@@ -295,3 +295,31 @@ def test_int_reshard_after_forward_is_exact_or_refused(pools, world, n):
     results = pools[world].run(_int_reshard, n)
     assert len(set(results)) == 1 and (results[0] == "exact" or results[0].startswith("refused")), results
     print(f"reshard_after_forward={n} on {world} ranks: {results[0]}")
+
+
+# ---- benchmark instrumentation -------------------------------------------------------------------
+def _host_split_labels():
+    import dtensor_fp8.fsdp as dfsdp
+    from dtensor_fp8.benchmarks.te_step import _HostSplit
+
+    original = dfsdp.fsdp_pre_all_gather
+    model = d.quantize_module_(_hp_model(), RECIPES["delayed"])
+    _shard(model, "reshard")
+    opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=1e-3)
+    x = torch.randn(BATCH, DIM, device=DEVICE)
+    with _HostSplit() as split:
+        model(x).sum().backward()
+        opt.step()
+    restored = dfsdp.fsdp_pre_all_gather is original
+    return sorted(k for k, v in split.per_step(1).items() if v > 0), restored
+
+
+def test_te_step_host_split_times_fsdp_and_our_hooks(pools):
+    """``te_step --host-split`` wraps FSDP2's per-group steps, our all-gather hooks (the pre hook is
+    reached through QuantizedTensor's bound-hook object) and the requantization, and restores them."""
+    labels, restored = pools[WORLD_SIZES[0]].run(_host_split_labels)[0]
+    assert restored
+    assert labels == sorted([
+        "FSDP2 unshard (all-gather issue)", "FSDP2 wait_for_unshard (copy-out + post-all-gather hooks)",
+        "FSDP2 post_backward (reduce-scatter)", "FSDP2 reshard", "dtensor_fp8 pre-all-gather hook",
+        "dtensor_fp8 post-all-gather hook", "dtensor_fp8 requantize (optimizer step)"]), labels
