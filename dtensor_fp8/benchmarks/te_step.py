@@ -66,6 +66,8 @@ import warnings
 
 import torch
 
+from ..placement import like
+
 GIB = 2**30
 VARIANTS = {
     "a": ("bf16_fsdp", "(a) bf16 params, FSDP2"),
@@ -163,14 +165,6 @@ def _local(p):
     return p._local_tensor if isinstance(p, DTensor) else p
 
 
-def _like(p, local):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(p, DTensor):
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return local
-
-
 def _kind(t) -> str:
     """Short description of a (local) weight: TE class name, ``QuantizedTensor[fp8]`` or its dtype."""
     import dtensor_fp8 as d
@@ -224,7 +218,7 @@ class _TEMasterAdam:
             for _, p in model.named_parameters():
                 local = _local(p)
                 if isinstance(local, te_qt_cls):
-                    master = torch.nn.Parameter(_like(p, local.dequantize(dtype=torch.float32).clone()))
+                    master = torch.nn.Parameter(like(p, local.dequantize(dtype=torch.float32).clone()))
                     self.fp8.append((p, master))
                 else:
                     others.append(p)
@@ -234,7 +228,7 @@ class _TEMasterAdam:
     def step(self):
         for p, m in self.fp8:
             g = p.grad
-            m.grad = None if g is None else _like(m, _local(g).float())
+            m.grad = None if g is None else like(m, _local(g).float())
         self.optimizer.step()
         for p, m in self.fp8:
             _local(p).quantize_(_local(m))
@@ -362,22 +356,14 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
         torch.cuda.synchronize()
         row["warmup_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         torch.cuda.reset_peak_memory_stats()
-        ms, wall, fb, host = [], [], [], []
+        times = {k: [] for k in _TIMES}
         split = _HostSplit() if cfg.host_split else contextlib.nullcontext()
         with split:
-            _timed_steps(cfg.steps, step, losses, ms, wall, fb, host)
+            _timed_steps(cfg.steps, step, times, losses)
         if cfg.host_split:
             row["host_split_ms"] = split.per_step(cfg.steps)
-        row["step_ms"] = ms
-        row["host_ms"] = host
-        row["median_host_ms"] = statistics.median(host)
-        row["fwd_bwd_ms"] = fb
-        row["median_fwd_bwd_ms"] = statistics.median(fb)
-        row["median_opt_ms"] = statistics.median(e - f for e, f in zip(ms, fb))
-        row["wall_ms"] = wall
-        row["median_ms"] = statistics.median(ms)
-        row["min_ms"] = min(ms)
-        row["median_wall_ms"] = statistics.median(wall)
+        row.update(times)
+        row.update(_medians(times))
         row["step_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
         row["variant_peak_gib"] = max(row["warmup_peak_gib"], row["step_peak_gib"])
         row["resident_gib"] = (torch.cuda.memory_allocated() - base) / GIB
@@ -429,21 +415,36 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
     return (row, kept) if keep else row
 
 
-def _timed_steps(n: int, step, losses: list, ms: list, wall: list, fb: list, host: list) -> None:
-    """``n`` steps, each between synchronizes: CUDA-event time of the step and of its forward +
-    backward, wall time, and the host's time to issue it."""
+#: What :func:`_timed_steps` records per step: CUDA-event time of the step and of its forward +
+#: backward, the host's time to issue it, and wall time.
+_TIMES = ("step_ms", "fwd_bwd_ms", "host_ms", "wall_ms")
+
+
+def _timed_steps(n: int, step, times: dict[str, list], losses: list | None = None) -> None:
+    """``n`` steps, each between synchronizes, their :data:`_TIMES` appended to ``times`` (and
+    their losses to ``losses``)."""
     for _ in range(n):
         start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         start.record()
-        losses.append(step(mid))
-        host.append((time.perf_counter() - t0) * 1e3)
+        loss = step(mid)
+        times["host_ms"].append((time.perf_counter() - t0) * 1e3)
         end.record()
         torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t0) * 1e3)
-        ms.append(start.elapsed_time(end))
-        fb.append(start.elapsed_time(mid))
+        times["wall_ms"].append((time.perf_counter() - t0) * 1e3)
+        times["step_ms"].append(start.elapsed_time(end))
+        times["fwd_bwd_ms"].append(start.elapsed_time(mid))
+        if losses is not None:
+            losses.append(loss)
+
+
+def _medians(times: dict[str, list]) -> dict[str, float]:
+    """The step figures the tables show, from :func:`_timed_steps`' lists."""
+    ms, fb = times["step_ms"], times["fwd_bwd_ms"]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "median_fwd_bwd_ms": statistics.median(fb),
+            "median_opt_ms": statistics.median(e - f for e, f in zip(ms, fb)),
+            "median_host_ms": statistics.median(times["host_ms"]), "median_wall_ms": statistics.median(times["wall_ms"])}
 
 
 class _HostSplit:
@@ -509,27 +510,13 @@ class _HostSplit:
 def time_rounds(live: list, rounds: int, steps: int) -> None:
     """Time ``rounds`` x ``steps`` more steps of every kept variant, the variants taking turns
     round by round, so slow and fast spells of the host fall on all of them alike. The rows'
-    ``median_ms`` (and the other step medians) become those over these steps."""
+    ``median_ms`` (and the other step medians, wall time included) become those over these steps."""
+    times = [{k: row.setdefault(f"round_{k}", []) for k in _TIMES} for row, _ in live]
     for _ in range(rounds):
-        for row, step in live:
-            for _ in range(steps):
-                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                start.record()
-                step(mid)
-                row.setdefault("round_host_ms", []).append((time.perf_counter() - t0) * 1e3)
-                end.record()
-                torch.cuda.synchronize()
-                row.setdefault("round_step_ms", []).append(start.elapsed_time(end))
-                row.setdefault("round_fwd_bwd_ms", []).append(start.elapsed_time(mid))
-    for row, _ in live:
-        ms, fb = row["round_step_ms"], row["round_fwd_bwd_ms"]
-        row["median_ms"] = statistics.median(ms)
-        row["min_ms"] = min(ms)
-        row["median_fwd_bwd_ms"] = statistics.median(fb)
-        row["median_opt_ms"] = statistics.median(e - f for e, f in zip(ms, fb))
-        row["median_host_ms"] = statistics.median(row["round_host_ms"])
+        for (_, step), t in zip(live, times):
+            _timed_steps(steps, step, t)
+    for (row, _), t in zip(live, times):
+        row.update(_medians(t))
 
 
 def _gpu_only_times(step, n_steps: int, sleep_cycles: int = 400_000_000) -> list[float]:
