@@ -40,6 +40,7 @@ import torch
 from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
 from .ops import implements, slice_quantized
 from .placement import check_shardable
+from .te import TE_VIEW_ATTR
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
@@ -207,7 +208,7 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
         )
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
-    te_view = vars(module).get("_dtensor_fp8_te_view") if module is not None else None
+    te_view = vars(module).get(TE_VIEW_ATTR) if module is not None else None
     fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.codec.fp8_dtype for u in stored)
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
                        _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes)

@@ -132,8 +132,6 @@ def build(args, device, mesh, fp8: bool):
 
 def te_autocast(args):
     """TE's FP8 compute context for ``--te`` (the TE recipe matching ours), else a no-op."""
-    import contextlib
-
     if not args.te:
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
