@@ -15,12 +15,19 @@ DIM, HIDDEN, BATCH = 256, 512, 16
 MODES = ["reshard", "no_reshard", "root_default", "explicit_prefetch", "checkpoint", "hsdp"]
 
 
-def _hp_model(seed=0, dim=DIM, hidden=HIDDEN):
+def _hp_model(seed=0, dim=DIM, hidden=HIDDEN, spread_elements=False):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, dim, bias=False))
     with torch.no_grad():  # spread magnitudes per output row so the two planes differ
         for layer in (model[0], model[2]):
-            layer.weight.mul_(torch.logspace(-1, 1, layer.weight.shape[0])[:, None])
+            scale = torch.logspace(-1, 1, layer.weight.shape[0])[:, None]
+            if spread_elements:
+                # And per element (2^0 .. 2^-11): many elements are then subnormal in FP8 and round
+                # differently under the row and the column block scales, so the two planes of MXFP8 /
+                # 1x128 clearly differ (with the row spread alone they differ in a few elements or
+                # none, depending on 1-ulp differences between CPUs' vectorized math).
+                scale = scale * 2.0 ** -torch.randint(0, 12, layer.weight.shape).float()
+            layer.weight.mul_(scale)
     return model.to(DEVICE)
 
 
@@ -69,9 +76,9 @@ def _reference_input_grad(full_weights, x, upstream, backward_usage):
 
 def _direction(recipe_name, mode):
     recipe = RECIPES[recipe_name]
-    hp = _hp_model()
+    hp = _hp_model(spread_elements=True)
     full = [d.quantize(hp[i].weight.detach(), recipe) for i in (0, 2)]
-    model = d.quantize_module_(_hp_model(), recipe)
+    model = d.quantize_module_(_hp_model(spread_elements=True), recipe)
     if _shard(model, mode) is None:
         return "skipped"
     torch.manual_seed(7)
