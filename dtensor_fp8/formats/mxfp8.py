@@ -96,7 +96,9 @@ class MXFP8(Codec):
 
     def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
         # TE multiplies by the fp32-rounded reciprocal (Quantized_Limits::max_norm_rcp), not a division.
-        fp8_max_rcp = torch.tensor(1.0 / torch.finfo(self.fp8_dtype).max, dtype=torch.float32, device=amax.device)
+        # torch.full, not torch.tensor: no host-to-device copy, so the optimizer step's CUDA graph
+        # can capture it (master.py).
+        fp8_max_rcp = torch.full((), 1.0 / torch.finfo(self.fp8_dtype).max, dtype=torch.float32, device=amax.device)
         biased = float_to_e8m0(amax.float() * fp8_max_rcp)
         return e8m0_reciprocal(biased), biased.view(torch.float8_e8m0fnu)
 

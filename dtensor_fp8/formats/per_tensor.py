@@ -164,8 +164,10 @@ class DelayedScaling(_PerTensor):
         histories = torch.stack([s["amax_history"].float() for s in states])
         histories[:, 0] = torch.fmax(histories[:, 0], amax)
         histories, scales = self._update_scales(histories, torch.cat([s["scale"].float().reshape(1) for s in states]))
-        return scales, [{"amax_history": h.clone(), "scale": s.reshape(state["scale"].shape).clone()}
-                        for h, s, state in zip(histories, scales, states)]
+        # Views of the batch's tensors, no copies: callers store them or copy them into the states
+        # they keep (requantize_from_hp_ updates its states in place).
+        return scales, [{"amax_history": h, "scale": s.reshape(state["scale"].shape)}
+                        for h, s, state in zip(histories.unbind(0), scales.unbind(0), states)]
 
     def given_scale(self, scale: torch.Tensor | float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=like.device).reshape(1, 1)
