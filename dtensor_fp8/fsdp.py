@@ -234,9 +234,15 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     # shard, keyed by the mesh object FSDP holds for the parameter's lifetime.
     plans = self.__dict__.setdefault("_gather_plans", {})
     key = (id(mesh), tuple(outer_size), usages, id(module))
-    plan = plans.get(key)
-    if plan is None:
-        plan = plans[key] = _gather_plan(self, key[1], mesh.size(), usages, module)
+    entry = plans.get(key)
+    if entry is None:
+        # [plan, the last (inputs, metadata) if they can be handed out again, the planes they view]
+        entry = plans[key] = [_gather_plan(self, key[1], mesh.size(), usages, module), None, None]
+    plan, last, last_planes = entry
+    if last is not None and all(self._planes.get(u) is pl for u, pl in last_planes):
+        # The same plane objects as last time (an optimizer step rewrites them in place): the
+        # inputs are views of the same bytes and the metadata is unchanged.
+        return last
     world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes = plan
     local = self
     if pad_rows:  # short last shard: pad to the padded shard size
@@ -251,9 +257,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
-            # A copy, like the gathered data: an unsharded weight that outlives an optimizer step
-            # must not pair its old bytes with the shard's new scales.
-            shared_scales[usage] = plane.scale_inv.clone()
+            # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
+            shared_scales[usage] = plane.scale_inv
     metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0],
                                outer_size[1], fp8_dtypes)
     if world == 1 and len(inputs) > 1:
@@ -262,7 +267,34 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
         packed = torch.cat([_pad_bytes(t) for t in inputs])
         return (packed,), metadata._replace(packed_layout=layout)
-    return tuple(inputs), metadata
+    result = tuple(inputs), metadata
+    if not pad_rows and not sent_scales and all(
+            t.data_ptr() == local._planes[u].data.data_ptr() for u, t in zip(stored, inputs, strict=True)):
+        # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
+        entry[1], entry[2] = result, tuple((u, local._planes[u]) for u in stored)
+    return result
+
+
+#: Attribute of an unsharded parameter: its copies of per-tensor scales, by usage, kept across gathers.
+_SHARED_SCALES_ATTR = "_dtensor_fp8_shared_scales"
+
+
+def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
+    """A copy of the shard's per-tensor scale ``live`` for the unsharded parameter ``out`` (``None``
+    at the first gather): like the gathered bytes, a copy, so an unsharded weight that outlives an
+    optimizer step never pairs its old bytes with the shard's new scale. Later gathers overwrite
+    the copy in place (no allocation)."""
+    kept = out.__dict__.get(_SHARED_SCALES_ATTR) if out is not None else None
+    copy = kept.get(usage) if kept is not None else None
+    if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
+        return live.clone()
+    return copy.copy_(live)
+
+
+def _keep_shared_scales(tensor, planes: dict, shared_scales: dict) -> None:
+    """Remember on the unsharded parameter which scale tensors are its own copies."""
+    if shared_scales:
+        tensor.__dict__[_SHARED_SCALES_ATTR] = {u: planes[u].scale_inv for u in shared_scales}
 
 
 def _padded_nbytes(t: torch.Tensor) -> int:
@@ -289,6 +321,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
     usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
+    # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
+    out_local = getattr(out, "_local_tensor", out)
     full_rows = padded_rows * world
     planes, i = {}, 0
     for usage, fp8_dtype in zip(stored, fp8_dtypes):
@@ -304,25 +338,27 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
             scale = raw[:, : gr * gc].reshape(world * gr, gc)
             scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
         else:
-            scale = shared_scales[usage]
+            scale = _shared_scale(out_local, usage, shared_scales[usage])
         planes[usage] = Plane(data, scale)
     if te_view is not None:  # the unsharded parameter is a TE tensor over these buffers (te.py)
-        return te_view(planes, self.codec, (full_rows, k), param_dtype, usages, out, orig_rows)
+        result = te_view(planes, self.codec, (full_rows, k), param_dtype, usages, out, orig_rows)
+        _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
+        return result
     gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
-        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself). Under tensor
-        # parallelism ``out`` is the DTensor over the tp mesh: update its local tensor.
-        out = getattr(out, "_local_tensor", out)
-        rows = out.shape[0]
+        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
+        rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
-        out._planes, out._usages = trimmed._planes, trimmed._usages
-        out._transpose = None
+        out_local._planes, out_local._usages = trimmed._planes, trimmed._usages
+        out_local._transpose = None
         if COLUMNWISE in usages:
-            out.create_transpose_cache()
+            out_local.create_transpose_cache()
+        _keep_shared_scales(out_local, planes, shared_scales)
         return
     if COLUMNWISE in usages:
         gathered.create_transpose_cache()
+    _keep_shared_scales(gathered, planes, shared_scales)
     # The planes are views of `outputs`, which FSDP already frees on reshard.
     return gathered, ()
 
