@@ -206,7 +206,9 @@ def _train_bf16_masters(recipe_name):
         loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
-        grads_shared.append(all(m.grad is p.grad for _, p, m in opt.fp8_params))
+        # The inner optimizer steps each master's local shard with FSDP's own gradient shard.
+        grads_shared.append(all(inner.grad.data_ptr() == p.grad.to_local().data_ptr()
+                                for (_, p, _), inner in zip(opt.fp8_params, opt._fp8_inner, strict=True)))
         opt.zero_grad()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
@@ -304,6 +306,39 @@ def test_int_reshard_after_forward_is_exact_or_refused(pools, world, n):
     print(f"reshard_after_forward={n} on {world} ranks: {results[0]}")
 
 
+def _unsharded_across_a_step(recipe_name):
+    model = d.quantize_module_(_hp_model(), RECIPES[recipe_name])
+    fully_shard(model, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)), reshard_after_forward=False)
+    model.set_reshard_after_backward(False)  # the unsharded weights stay across the optimizer step
+    opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=50.0)
+    results = []
+    for step in range(2):  # the second gather writes into the first one's scale copies
+        if step:
+            model.reshard()
+        x = torch.randn(BATCH, DIM, device=DEVICE, generator=torch.Generator().manual_seed(step))
+        model(x).sum().backward()
+        w = d.placement.local_tensor(model[0].weight)
+        assert isinstance(w, d.QuantizedTensor) and tuple(w.shape) == (HIDDEN, DIM)
+        before = w.dequantize(torch.float32).clone()
+        shard = d.placement.local_tensor(opt.fp8_params[0][1])
+        shard_scale = shard._planes["rowwise"].scale_inv.clone()
+        opt.step()
+        opt.zero_grad()
+        shard_scale_changed = not torch.equal(shard._planes["rowwise"].scale_inv, shard_scale)
+        results.append((shard_scale_changed, torch.equal(w.dequantize(torch.float32), before)))
+    return results
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_unsharded_weight_keeps_its_scale_across_an_optimizer_step(pools, recipe_name):
+    """Per-tensor scales are not gathered (every rank has the same one): the unsharded weight gets
+    a copy, so when it outlives an optimizer step (``set_reshard_after_backward(False)``) it keeps
+    pairing its gathered bytes with the scale they were made with, not the shard's new scale."""
+    for changed, unchanged_values in pools[WORLD_SIZES[0]].run(_unsharded_across_a_step, recipe_name)[0]:
+        assert changed, "the step did not change the shard's scale: the test shows nothing"
+        assert unchanged_values, "the unsharded weight's values changed with the shard's new scale"
+
+
 # ---- benchmark instrumentation -------------------------------------------------------------------
 def _host_split_labels():
     import dtensor_fp8.fsdp as dfsdp
@@ -329,4 +364,5 @@ def test_te_step_host_split_times_fsdp_and_our_hooks(pools):
     assert labels == sorted([
         "FSDP2 unshard (all-gather issue)", "FSDP2 wait_for_unshard (copy-out + post-all-gather hooks)",
         "FSDP2 post_backward (reduce-scatter)", "FSDP2 reshard", "dtensor_fp8 pre-all-gather hook",
-        "dtensor_fp8 post-all-gather hook", "dtensor_fp8 requantize (optimizer step)"]), labels
+        "dtensor_fp8 post-all-gather hook", "dtensor_fp8 requantize (optimizer step)",
+        "torch Adam.step (inside the optimizer step)"]), labels

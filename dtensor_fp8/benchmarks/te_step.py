@@ -333,15 +333,24 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
         seen: dict = {}
         handles = _forward_kind_hook(model, seen)
 
+        phase_sink: list = []  # the active _HostSplit, if any: it also gets each phase's host time
+
         def step(mid=None):
+            t0 = time.perf_counter()
             with te.autocast(enabled=True, recipe=fp8_recipe):
                 out = model(x)
             loss = out.float().pow(2).mean()
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             if mid is not None:
                 mid.record()  # forward + backward | optimizer step + zero_grad
             opt.step()
+            t3 = time.perf_counter()
             opt.zero_grad()
+            if phase_sink:
+                phase_sink[0].add_phases(forward=t1 - t0, backward=t2 - t1, optimizer_step=t3 - t2,
+                                         zero_grad=time.perf_counter() - t3)
             return loss.detach()
 
         losses = []
@@ -359,7 +368,10 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
         times = {k: [] for k in _TIMES}
         split = _HostSplit() if cfg.host_split else contextlib.nullcontext()
         with split:
+            if cfg.host_split:
+                phase_sink.append(split)
             _timed_steps(cfg.steps, step, times, losses)
+            phase_sink.clear()
         if cfg.host_split:
             row["host_split_ms"] = split.per_step(cfg.steps)
         row.update(times)
@@ -378,6 +390,8 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
         if not row["losses_finite"]:
             row["warning"] = (row.get("warning", "") + "; non-finite loss").lstrip("; ")
         if variant in OURS:
+            graph = opt._requantize
+            row["requantize_graph"] = {"replays": graph.replays, "disabled_reason": graph.disabled_reason}
             ok, msg = _check_ours_fp8(model, 4 * cfg.layers)
             row["fp8_shards_ok"] = ok
             row["fp8_shards"] = msg
@@ -470,7 +484,8 @@ class _HostSplit:
                (FSDPParamGroup, "reshard", "FSDP2 reshard"),
                (dfsdp, "fsdp_pre_all_gather", "dtensor_fp8 pre-all-gather hook"),
                (QuantizedTensor, "fsdp_post_all_gather", "dtensor_fp8 post-all-gather hook"),
-               (dmaster, "requantize_from_hp_", "dtensor_fp8 requantize (optimizer step)")]
+               (dmaster.MasterWeightOptimizer, "requantize_", "dtensor_fp8 requantize (optimizer step)"),
+               (torch.optim.Adam, "step", "torch Adam.step (inside the optimizer step)")]
         try:
             from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
             out += [(Float8Tensor, n, f"TE Float8Tensor.{n}") for n in ("fsdp_pre_all_gather", "fsdp_post_all_gather")
@@ -502,6 +517,12 @@ class _HostSplit:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
+
+    def add_phases(self, **seconds: float) -> None:
+        """Host time of a step's phases (forward, backward, ...), measured by the step itself."""
+        for phase, t in seconds.items():
+            label = f"step phase: {phase}"
+            self.totals[label] = self.totals.get(label, 0.0) + t
 
     def per_step(self, steps: int) -> dict[str, float]:
         return {k: v * 1e3 / steps for k, v in self.totals.items()}
@@ -627,6 +648,10 @@ def format_table(rows: list[dict], recipes: list[str], variants: list[str]) -> s
                          f"{r.get('weights_in_forward')}")
         if r["key"] in OURS and "fp8_shards" in r:
             notes.append(f"- {tag}: {r['fp8_shards']}")
+        if r["key"] in OURS and "requantize_graph" in r:
+            g = r["requantize_graph"]
+            notes.append(f"- {tag}: requantization replayed as a CUDA graph in {g['replays']} steps"
+                         + (f" (graphs off: {g['disabled_reason']})" if g["disabled_reason"] else ""))
     if notes:
         lines += ["", "notes:"] + notes
     return "\n".join(lines)
