@@ -193,6 +193,42 @@ def test_training_matches_unsharded_run(pools, recipe_name):
         torch.testing.assert_close(masters[name], ref, rtol=0, atol=5e-3, msg=name)
 
 
+def _train_uneven_bias(sharded):
+    """FP8 weights plus a high-precision bias of odd length (uneven, padded shards): what SGD makes
+    of the bias."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(DIM, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, DIM - 1)).to(DEVICE)
+    d.quantize_module_(model, RECIPES["current"])
+    init = model[2].bias.detach().clone().cpu()
+    world = torch.distributed.get_world_size() if sharded else 1
+    if sharded:
+        _shard(model, "reshard")
+    opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.5)
+    rank = torch.distributed.get_rank() if sharded else 0
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH * 2, DIM, generator=g).to(DEVICE)
+        target = torch.randn(BATCH * 2, DIM - 1, generator=g).to(DEVICE)
+        if sharded:
+            x, target = x.chunk(world)[rank % world], target.chunk(world)[rank % world]
+        (model(x) - target).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    bias = model[2].bias
+    return init, (bias.full_tensor() if sharded else bias).detach().cpu()
+
+
+def test_uneven_high_precision_param_is_optimized(pools):
+    """The inner optimizer steps a plain parameter standing for the model's local shard (here a
+    padded, uneven one) and is handed FSDP's gradient: the model's own parameter must take every
+    step (fails if the alias stops sharing storage and is not re-pointed, or gets no gradient)."""
+    init, ref = _train_uneven_bias(sharded=False)
+    init_sharded, bias = pools[WORLD_SIZES[0]].run(_train_uneven_bias, True)[0]
+    assert torch.equal(init, init_sharded)
+    assert not torch.allclose(ref, init), "the reference bias did not move: the test shows nothing"
+    torch.testing.assert_close(bias, ref, rtol=0, atol=1e-5)
+
+
 def _train_bf16_masters(recipe_name):
     """A bf16 model with FP8 weights and bf16 masters under FSDP2: what a step leaves behind."""
     recipe = RECIPES[recipe_name]
