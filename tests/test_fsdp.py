@@ -351,7 +351,7 @@ def _unsharded_across_a_step(recipe_name):
     for step in range(2):  # the second gather writes into the first one's scale copies
         if step:
             model.reshard()
-        x = torch.randn(BATCH, DIM, device=DEVICE, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(step)).to(DEVICE)
         model(x).sum().backward()
         w = d.placement.local_tensor(model[0].weight)
         assert isinstance(w, d.QuantizedTensor) and tuple(w.shape) == (HIDDEN, DIM)
