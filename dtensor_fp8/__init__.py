@@ -13,7 +13,7 @@ from .formats import (
     COLUMNWISE,
     ROWWISE,
     Blockwise,
-    Codec,
+    Recipe,
     CurrentScaling,
     DelayedScaling,
     MXFP8,
@@ -36,7 +36,7 @@ from .ops import QuantizedTransposeView
 __version__ = "0.1.0"
 
 __all__ = [
-    "Blockwise", "COLUMNWISE", "Codec", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
+    "Blockwise", "COLUMNWISE", "Recipe", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
     "QuantizedTensor", "RECIPES", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
     "export_hp_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",

@@ -44,12 +44,12 @@ _RECIPE_KEY = "recipe"
 _EXTRA_STATE_SUFFIX = "_extra_state"
 
 
-def _scale_placements(param: DTensor, codec, usage):
+def _scale_placements(param: DTensor, recipe, usage):
     """Scales follow the data's sharding, except along a dim one block spans (then replicated)."""
     from .placement import shard_dim
 
     return [
-        Replicate() if shard_dim(p) is not None and codec.spans_dim(usage, shard_dim(p)) else p
+        Replicate() if shard_dim(p) is not None and recipe.spans_dim(usage, shard_dim(p)) else p
         for p in param.placements
     ]
 
@@ -57,14 +57,14 @@ def _scale_placements(param: DTensor, codec, usage):
 def plane_entries(param: torch.Tensor) -> dict:
     """The state-dict entry of one FP8 parameter: its planes as plain/DTensor copies + recipe."""
     q = local_tensor(param)
-    entry = {_RECIPE_KEY: repr(q.codec)}
+    entry = {_RECIPE_KEY: repr(q.recipe)}
     for usage, plane in q._planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
         if isinstance(param, DTensor):
-            grid = q.codec.block_shape(usage).grid(tuple(param.shape))
+            grid = q.recipe.block_shape(usage).grid(tuple(param.shape))
             data = like(param, data)
-            scale = DTensor.from_local(scale, param.device_mesh, _scale_placements(param, q.codec, usage),
+            scale = DTensor.from_local(scale, param.device_mesh, _scale_placements(param, q.recipe, usage),
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
         entry[f"{usage}_data"] = data
         entry[f"{usage}_scale_inv"] = scale
@@ -87,9 +87,9 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     sharding as ``param``) so ``load_state_dict``'s ``copy_`` moves exact bytes."""
     q = local_tensor(param)
     saved = entry.get(_RECIPE_KEY)
-    if saved != repr(q.codec):
+    if saved != repr(q.recipe):
         raise RecipeError(
-            f"{name}: checkpoint recipe {saved!r} does not match the model's {q.codec!r}. Load with the same "
+            f"{name}: checkpoint recipe {saved!r} does not match the model's {q.recipe!r}. Load with the same "
             "recipe, or export/import through high precision (export_hp_state_dict / load_hp_state_dict)."
         )
     planes = {}
@@ -104,7 +104,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
                 f"model expects {tuple(plane.data.shape)} / {tuple(plane.scale_inv.shape)} (block geometry mismatch)"
             )
         planes[usage] = Plane(data.view(plane.data.dtype), scale.view(plane.scale_inv.dtype))
-    return like(param, QuantizedTensor(planes, q.codec, q.shape, q.dtype, q.usages))
+    return like(param, QuantizedTensor(planes, q.recipe, q.shape, q.dtype, q.usages))
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

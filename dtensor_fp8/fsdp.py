@@ -19,7 +19,7 @@ sizes its all-gather outputs once, at the first gather, and every later gather m
 the same number of inputs with the same dtypes and numels, or it silently resizes them ("An
 output ... was resized") and corrupts the data. Forward (rowwise) and backward
 (columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
-padded to a per-codec slot size that fits either direction's local scale grid.
+padded to a per-recipe slot size that fits either direction's local scale grid.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after the backward gather (the "transpose cache") and
@@ -158,11 +158,11 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
 def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
     """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
     usages, so forward and backward gathers hand FSDP equal numels."""
-    return max(math.prod(q.codec.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
+    return max(math.prod(q.recipe.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
 
 
 def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
-    return q.codec.block_shape(usage).extent(0) is not None
+    return q.recipe.block_shape(usage).extent(0) is not None
 
 
 class _GatherMetadata(NamedTuple):
@@ -195,21 +195,21 @@ class _GatherPlan(NamedTuple):
 
 def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
     """The plan for one kind of gather, after checking it is possible."""
-    stored = q.codec.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    check_shardable(outer_size, q.codec, 0, world, usages)
+    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
+    check_shardable(outer_size, q.recipe, 0, world, usages)
     padded_rows = -(-outer_size[0] // world)
     if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
         # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
         # padded shard's exact shape; block scales cannot. Raised on every rank alike.
         raise RecipeError(
-            f"{q.codec.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
+            f"{q.recipe.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
             f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
     te_view = vars(module).get(TE_VIEW_ATTR) if module is not None else None
-    fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.codec.fp8_dtype for u in stored)
+    fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.recipe.fp8_dtype for u in stored)
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
                        _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes)
 
@@ -329,8 +329,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         data = outputs[i].view(full_rows, k).view(fp8_dtype)
         i += 1
         if usage not in shared_scales:
-            gr, gc = self.codec.block_shape(usage).grid((padded_rows, k))
-            scale_dtype = self.codec.scale_inv_dtype
+            gr, gc = self.recipe.block_shape(usage).grid((padded_rows, k))
+            scale_dtype = self.recipe.scale_inv_dtype
             raw = outputs[i].view(world, -1)
             i += 1
             # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
@@ -341,10 +341,10 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
             scale = _shared_scale(out_local, usage, shared_scales[usage])
         planes[usage] = Plane(data, scale)
     if te_view is not None:  # the unsharded parameter is a TE tensor over these buffers (te.py)
-        result = te_view(planes, self.codec, (full_rows, k), param_dtype, usages, out, orig_rows)
+        result = te_view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, orig_rows)
         _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
         return result
-    gathered = QuantizedTensor(planes, self.codec, (full_rows, k), param_dtype, usages)
+    gathered = QuantizedTensor(planes, self.recipe, (full_rows, k), param_dtype, usages)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
@@ -399,7 +399,7 @@ def _as_strided(func, args, kwargs):
     contiguous = [size[1], 1] if len(size) == 2 else None
     if len(size) != 2 or offset != 0 or stride != contiguous or size[1] != q.shape[1] or size[0] > q.shape[0]:
         raise RecipeError(
-            f"{q.codec.name}: as_strided{tuple(size), tuple(stride), offset} on a quantized weight of shape "
+            f"{q.recipe.name}: as_strided{tuple(size), tuple(stride), offset} on a quantized weight of shape "
             f"{tuple(q.shape)}: only a leading-rows view (FSDP's un-padding) is supported"
         )
     out = slice_quantized(q, 0, 0, size[0])

@@ -71,10 +71,10 @@ class _RequantizePlan:
             q = local_tensor(p)
             sharded = _sharded_dims(p)
             for usage in q._planes:
-                # Only blocks that span a sharded dim need their amax now (to reduce it); the codec
+                # Only blocks that span a sharded dim need their amax now (to reduce it); the recipe
                 # computes the others itself, fused into its quantization where it can.
-                if any(q.codec.spans_dim(usage, d) for d in sharded):
-                    spanning.setdefault((q.codec, usage), []).append(len(jobs))
+                if any(q.recipe.spans_dim(usage, d) for d in sharded):
+                    spanning.setdefault((q.recipe, usage), []).append(len(jobs))
                 jobs.append((name, q, hp, usage))
         self.jobs, self.spanning = jobs, spanning
         #: whether run() all-reduces amaxes (blocks spanning shards, more than one rank)
@@ -87,10 +87,10 @@ class _RequantizePlan:
             if scaling_states is not None:
                 state = scaling_states.get((name, usage))
                 if state is None:
-                    state = q.codec.initial_scaling_state(plane)
+                    state = q.recipe.initial_scaling_state(plane)
                     if state is not None:  # kept from now on and updated in place by run()
                         scaling_states[(name, usage)] = state
-            self.batches.setdefault((q.codec, usage), []).append((i, hp, plane, state))
+            self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in jobs))
 
     def run(self) -> None:
@@ -98,8 +98,8 @@ class _RequantizePlan:
         into the existing planes, new scaling states into the existing states."""
         jobs, amaxes = self.jobs, [None] * len(self.jobs)
         if self.spanning:
-            for (codec, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
-                for i, amax in zip(idx, codec.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
+            for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
+                for i, amax in zip(idx, recipe.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
                     amaxes[i] = amax
             if self.reduces:
                 # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks
@@ -110,11 +110,11 @@ class _RequantizePlan:
                 for i, part in zip(order, flat.split([amaxes[i].numel() for i in order])):
                     amaxes[i] = part.reshape(amaxes[i].shape)
         kept, fresh = [], []
-        for (codec, usage), batch in self.batches.items():
+        for (recipe, usage), batch in self.batches.items():
             idx, hps, planes, states = zip(*batch)
             # In place: the FP8 bytes and scales keep their storage (FSDP's sharded parameters,
             # TE views and checkpoint plans all refer to it).
-            new_states = codec.requantize_planes_(usage, list(hps), list(planes), [amaxes[i] for i in idx], list(states))
+            new_states = recipe.requantize_planes_(usage, list(hps), list(planes), [amaxes[i] for i in idx], list(states))
             for old, new in zip(states, new_states, strict=True):
                 if old is not None and new is not None and new is not old:
                     kept += [old[k] for k in old]
@@ -336,7 +336,7 @@ class MasterWeightOptimizer:
             p.grad = g
         for name, p, _ in self.fp8_params:
             for usage, plane in local_tensor(p)._planes.items():
-                state = local_tensor(p).codec.initial_scaling_state(plane)
+                state = local_tensor(p).recipe.initial_scaling_state(plane)
                 if state is not None:
                     self.scaling_states.setdefault((name, usage), state)
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 from torch import nn
 
-from .formats.base import Codec, RecipeError
+from .formats.base import Recipe, RecipeError
 from .quantize import quantize
 from .checkpoint import register_state_dict_hooks
 from .tensor import QuantizedTensor
@@ -19,7 +19,7 @@ HP_INIT_ATTR = "_dtensor_fp8_hp_init"
 
 def quantize_module_(
     module: nn.Module,
-    recipe: Codec,
+    recipe: Recipe,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     keep_hp_init: bool = True,

@@ -1,6 +1,6 @@
 """The op table of ``QuantizedTensor``: the aten ops FSDP2, DTensor and DCP apply to parameters.
 
-Every op works plane by plane and is driven by the codec's block geometry, never by the recipe:
+Every op works plane by plane and is driven by the recipe's block geometry, never by the recipe:
 slicing along a dim moves data rows and the scale rows of the blocks they belong to, and refuses
 a boundary that would split a block (``RecipeError``) instead of falling back to high precision.
 """
@@ -32,8 +32,8 @@ def implements(ops):
 # ---- block-aligned slicing ---------------------------------------------------------------------------
 def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, block: int) -> str:
     return (
-        f"{q.codec.name}: a boundary at index {boundary} of dim {dim} of a weight of shape "
-        f"{tuple(q.shape)} splits the {q.codec.block_shape(usage)} blocks of its {usage} plane. "
+        f"{q.recipe.name}: a boundary at index {boundary} of dim {dim} of a weight of shape "
+        f"{tuple(q.shape)} splits the {q.recipe.block_shape(usage)} blocks of its {usage} plane. "
         f"Shard/slice boundaries along dim {dim} must be multiples of {block} (or the end of the dim)."
     )
 
@@ -52,7 +52,7 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     end = max(start, end)
     planes = {}
     for usage, plane in q._planes.items():
-        block = q.codec.block_shape(usage).extent(dim)
+        block = q.recipe.block_shape(usage).extent(dim)
         if block is None:  # one scale for the whole dim: shared by every slice
             scale = plane.scale_inv
         else:
@@ -78,7 +78,7 @@ def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> Quant
 def _slice(func, args, kwargs):
     q, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
     if step != 1:
-        raise RecipeError(f"{q.codec.name}: strided slicing (step={step}) of a quantized weight is not supported")
+        raise RecipeError(f"{q.recipe.name}: strided slicing (step={step}) of a quantized weight is not supported")
     size = q.shape[dim]
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
@@ -102,7 +102,7 @@ def _split(func, args, kwargs):
     if len(sizes) > 1:  # torch.chunk over ranks (FSDP2 / DTensor sharding): name the world size
         from .placement import check_shardable
 
-        check_shardable(tuple(q.shape), q.codec, dim, -(-size // split_size), q.usages)
+        check_shardable(tuple(q.shape), q.recipe, dim, -(-size // split_size), q.usages)
     return _split_by_sizes(q, sizes, dim)
 
 
@@ -148,7 +148,7 @@ def _view(func, args, kwargs):
         return next(iter(q._planes.values())).data.view(torch.uint8).reshape(-1).as_subclass(PlaneBytes)
     if torch.Size(size) != q.shape:
         raise RecipeError(
-            f"{q.codec.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "
+            f"{q.recipe.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "
             "its planes are block-structured matrices. Views keep the logical shape."
         )
     return q._rebuild(q._planes, transpose=q._transpose)
@@ -171,11 +171,11 @@ def _to_copy(func, args, kwargs):
 
 
 def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTensor:
-    """An all-zero QuantizedTensor of ``shape`` with ``q``'s codec, planes and usages."""
+    """An all-zero QuantizedTensor of ``shape`` with ``q``'s recipe, planes and usages."""
     device = device or q.device
     planes = {}
     for usage, plane in q._planes.items():
-        grid = q.codec.block_shape(usage).grid(tuple(shape))
+        grid = q.recipe.block_shape(usage).grid(tuple(shape))
         planes[usage] = Plane(
             torch.zeros(shape, dtype=plane.data.dtype, device=device),
             torch.zeros(grid, dtype=plane.scale_inv.dtype, device=device),
@@ -200,7 +200,7 @@ def _zeros_like(func, args, kwargs):
 def _check_nominal_dtype(q, dtype, func):
     if dtype is not None and dtype != q.dtype:
         raise RecipeError(
-            f"{q.codec.name}: {func} asked for dtype {dtype} from a quantized weight of nominal dtype "
+            f"{q.recipe.name}: {func} asked for dtype {dtype} from a quantized weight of nominal dtype "
             f"{q.dtype}; FP8 storage is not converted implicitly. Call .dequantize({dtype}) explicitly."
         )
 
@@ -209,12 +209,12 @@ def _check_nominal_dtype(q, dtype, func):
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(src, QuantizedTensor):
-        if src.codec != dst.codec:
-            raise RecipeError(f"copy_: recipe mismatch, destination {dst.codec!r} vs source {src.codec!r}")
+        if src.recipe != dst.recipe:
+            raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
         for usage, plane in dst._planes.items():
             if usage not in src._planes:
                 raise RecipeError(
-                    f"copy_: source holds planes {tuple(src._planes)}, destination needs {usage!r} ({dst.codec.name})"
+                    f"copy_: source holds planes {tuple(src._planes)}, destination needs {usage!r} ({dst.recipe.name})"
                 )
             plane.data.copy_(src._planes[usage].data)
             plane.scale_inv.copy_(src._planes[usage].scale_inv)
@@ -222,7 +222,7 @@ def _copy_(func, args, kwargs):
         # High precision into FP8: quantize every plane the destination stores (local amax; a
         # delayed-scaling destination keeps its scale).
         for usage, plane in dst._planes.items():
-            fresh, _ = dst.codec.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
+            fresh, _ = dst.recipe.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
             plane.data.copy_(fresh.data)
             plane.scale_inv.copy_(fresh.scale_inv)
     dst.discard_transpose_cache()
@@ -242,7 +242,7 @@ def _constant_pad_nd(func, args, kwargs):
     # F.pad order: last dim first, (before, after) pairs.
     after = {q.dim() - 1 - i // 2: pad[i] for i in range(1, len(pad), 2)}
     if any(pad[i] for i in range(0, len(pad), 2)) or any(v < 0 for v in after.values()):
-        raise RecipeError(f"{q.codec.name}: only padding at the end of a dim is supported on quantized weights, got pad={pad}")
+        raise RecipeError(f"{q.recipe.name}: only padding at the end of a dim is supported on quantized weights, got pad={pad}")
     shape = [s + after.get(d, 0) for d, s in enumerate(q.shape)]
     padded = zeros_like_quantized(q, shape)
     for usage, plane in q._planes.items():
@@ -271,16 +271,16 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
     first = tensors[0]
     dim = dim % first.dim()
     for t in tensors:
-        if not isinstance(t, QuantizedTensor) or t.codec != first.codec or set(t._planes) != set(first._planes):
-            raise RecipeError(f"cat: every piece must be a QuantizedTensor with recipe {first.codec!r} and planes {tuple(first._planes)}")
+        if not isinstance(t, QuantizedTensor) or t.recipe != first.recipe or set(t._planes) != set(first._planes):
+            raise RecipeError(f"cat: every piece must be a QuantizedTensor with recipe {first.recipe!r} and planes {tuple(first._planes)}")
     planes = {}
     for usage in first._planes:
-        block = first.codec.block_shape(usage).extent(dim)
+        block = first.recipe.block_shape(usage).extent(dim)
         scales = [t._planes[usage].scale_inv for t in tensors]
         if block is None:
             if not all(torch.equal(s, scales[0]) for s in scales[1:]):
                 raise RecipeError(
-                    f"{first.codec.name}: cannot concatenate along dim {dim} pieces quantized with different "
+                    f"{first.recipe.name}: cannot concatenate along dim {dim} pieces quantized with different "
                     f"per-tensor scales ({[s.flatten()[0].item() for s in scales]}); requantize with one shared amax."
                 )
             scale = scales[0]
@@ -317,10 +317,10 @@ def _all_gather_into_tensor(func, args, kwargs):
         return out.view(t.dtype)
 
     for usage, plane in q._planes.items():
-        block = q.codec.block_shape(usage).extent(0)
+        block = q.recipe.block_shape(usage).extent(0)
         if block is not None and q.shape[0] % block:
             raise RecipeError(
-                f"{q.codec.name}: all-gather input of shape {tuple(q.shape)} is not a whole number of "
+                f"{q.recipe.name}: all-gather input of shape {tuple(q.shape)} is not a whole number of "
                 f"{block}-row blocks of its {usage} plane; shards must be padded to whole blocks first."
             )
         shared_scale = block is None
@@ -437,7 +437,7 @@ def _is_01_transpose(func, args) -> bool:
 def _transpose_quantized(func, args, kwargs):
     q = args[0]
     if q.dim() != 2 or not _is_01_transpose(func, args):
-        raise RecipeError(f"{q.codec.name}: only the 2-D transpose of a quantized weight is supported, got {func}{tuple(args[1:])}")
+        raise RecipeError(f"{q.recipe.name}: only the 2-D transpose of a quantized weight is supported, got {func}{tuple(args[1:])}")
     return QuantizedTransposeView(q)
 
 
@@ -471,7 +471,7 @@ def _gemm_operand(t, position: str, dtype: torch.dtype):
         return t, None
     q = getattr(q, "_read_through", q)
     if q.dim() != 2:
-        raise RecipeError(f"{q.codec.name}: GEMM on a quantized tensor of shape {tuple(q.shape)}; expected 2-D")
+        raise RecipeError(f"{q.recipe.name}: GEMM on a quantized tensor of shape {tuple(q.shape)}; expected 2-D")
     contracted = 1 if position == "left" else 0  # in the operand's own (possibly transposed) dims
     base_dim = 1 - contracted if transposed else contracted
     if base_dim == 1:  # contracts K: forward

@@ -2,7 +2,7 @@
 
 [Note: why plain Shard/Replicate placements]
 A quantized DTensor uses torch's own ``Shard(dim)`` / ``Replicate()`` placements; the block
-geometry travels with the local tensor (its codec), and the direction with the planes it holds.
+geometry travels with the local tensor (its recipe), and the direction with the planes it holds.
 We do not subclass ``Shard``: in torch 2.13 it is a C++ class whose ``==``/hash a Python subclass
 inherits, so DTensor's redistribute plan cache (``_gen_transform_infos``) would hand a plain-Shard
 plan to the subclass or the reverse, and overriding ``__eq__`` breaks DTensor construction. With
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .formats.base import USAGES, Codec, RecipeError
+from .formats.base import USAGES, Recipe, RecipeError
 from .ops import chunk_of
 from .quantize import quantize
 from .tensor import QuantizedTensor
@@ -58,12 +58,12 @@ def shard_boundaries(size: int, num_chunks: int) -> list[int]:
     return [i * chunk for i in range(1, num_chunks) if 0 < i * chunk < size]
 
 
-def check_shardable(shape, codec: Codec, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
+def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
     """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block.
 
     Args:
         shape: the global shape.
-        codec: the recipe.
+        recipe: the recipe.
         dim: the sharded dim.
         num_chunks: ranks along that mesh dim.
         usages: usages whose stored planes must stay whole.
@@ -71,7 +71,7 @@ def check_shardable(shape, codec: Codec, dim: int, num_chunks: int, usages=USAGE
     Example:
         >>> check_shardable((96, 64), MXFP8(), 0, 2)   # raises: row 48 is inside a 32-row block
     """
-    align = codec.shard_alignment(dim, usages)
+    align = recipe.shard_alignment(dim, usages)
     size = shape[dim]
     bad = [b for b in shard_boundaries(size, num_chunks) if b % align]
     if not bad:
@@ -79,27 +79,27 @@ def check_shardable(shape, codec: Codec, dim: int, num_chunks: int, usages=USAGE
     ok_worlds = [w for w in range(1, 17) if all(b % align == 0 for b in shard_boundaries(size, w))]
     padded = -(-size // (align * num_chunks)) * align * num_chunks
     raise RecipeError(
-        f"{codec.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
+        f"{recipe.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
         f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
-        f"(blocks: {', '.join(f'{u} {codec.block_shape(u)}' for u in usages)}). Fix: use a world size whose "
+        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}). Fix: use a world size whose "
         f"chunks are multiples of {align} (for this shape: {ok_worlds}), or pad dim {dim} to {padded}, "
         f"or keep this layer in high precision."
     )
 
 
-def check_placements(q_shape, codec: Codec, mesh: DeviceMesh, placements, usages=USAGES) -> None:
+def check_placements(q_shape, recipe: Recipe, mesh: DeviceMesh, placements, usages=USAGES) -> None:
     """:func:`check_shardable` for every ``Shard`` in ``placements`` (nested shards compound)."""
     shape = list(q_shape)
     for mesh_dim, p in enumerate(placements):
         if p.is_shard():
             n = mesh.size(mesh_dim)
-            check_shardable(shape, codec, p.dim, n, usages)
+            check_shardable(shape, recipe, p.dim, n, usages)
             shape[p.dim] = -(-shape[p.dim] // n)
 
 
 def local_shard(q: QuantizedTensor, mesh: DeviceMesh, placements) -> QuantizedTensor:
     """This rank's block-aligned piece of a full quantized tensor (views, no copy)."""
-    check_placements(q.shape, q.codec, mesh, placements, q.usages)
+    check_placements(q.shape, q.recipe, mesh, placements, q.usages)
     local = q
     coord = mesh.get_coordinate()
     for mesh_dim, p in enumerate(placements):
@@ -129,7 +129,7 @@ def distribute_quantized(q: QuantizedTensor, mesh: DeviceMesh, placements: list[
 
 
 def distribute(
-    x: torch.Tensor, mesh: DeviceMesh, placements: list[Placement], recipe: Codec, *,
+    x: torch.Tensor, mesh: DeviceMesh, placements: list[Placement], recipe: Recipe, *,
     rowwise: bool = True, columnwise: bool = True,
 ) -> DTensor:
     """Quantize a full high-precision tensor (the same on every rank) and shard it at block boundaries.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats.base import COLUMNWISE, ROWWISE, Codec, RecipeError, as_matrix_shape
+from .formats.base import COLUMNWISE, ROWWISE, Recipe, RecipeError, as_matrix_shape
 from .tensor import QuantizedTensor
 
 _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -12,7 +12,7 @@ _HP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def quantize(
     x: torch.Tensor,
-    recipe: Codec,
+    recipe: Recipe,
     *,
     rowwise: bool = True,
     columnwise: bool = True,
@@ -38,7 +38,7 @@ def quantize(
         torch.Size([256, 512])
     """
     if isinstance(x, QuantizedTensor):
-        raise RecipeError(f"quantize: input of shape {tuple(x.shape)} is already quantized ({x.codec!r})")
+        raise RecipeError(f"quantize: input of shape {tuple(x.shape)} is already quantized ({x.recipe!r})")
     if x.dtype not in _HP_DTYPES:
         raise RecipeError(f"quantize: input dtype must be one of {_HP_DTYPES}, got {x.dtype} (shape {tuple(x.shape)})")
     if not (rowwise or columnwise):
@@ -55,7 +55,7 @@ def quantize(
 
 
 def _reshaped(q: QuantizedTensor, shape) -> QuantizedTensor:
-    return QuantizedTensor(q._planes, q.codec, shape, q.dtype, q.usages)
+    return QuantizedTensor(q._planes, q.recipe, shape, q.dtype, q.usages)
 
 
 def te_layout(q: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -73,4 +73,4 @@ def te_layout(q: QuantizedTensor) -> dict[str, torch.Tensor]:
         >>> bufs = dtensor_fp8.te_layout(dtensor_fp8.quantize(w, dtensor_fp8.Blockwise(block_dims=1)))
         >>> bufs["_rowwise_scale_inv"].shape  # (ceil(K/128), roundup(M, 4))
     """
-    return q.codec.te_layout(q._planes, tuple(q.shape), q.usages)
+    return q.recipe.te_layout(q._planes, tuple(q.shape), q.usages)

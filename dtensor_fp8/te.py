@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .formats.base import COLUMNWISE, ROWWISE, Codec, RecipeError, as_matrix_shape
+from .formats.base import COLUMNWISE, ROWWISE, Recipe, RecipeError, as_matrix_shape
 from .formats.blockwise import Blockwise
 from .formats.mxfp8 import MXFP8
 from .formats.per_tensor import CurrentScaling, DelayedScaling, _PerTensor
@@ -86,40 +86,40 @@ def _torch_fp8_dtype(te_dtype) -> torch.dtype:
 
 
 # ---- quantizers --------------------------------------------------------------------------------------
-def te_quantizer(codec: Codec, *, rowwise: bool = True, columnwise: bool = True, device=None,
+def te_quantizer(recipe: Recipe, *, rowwise: bool = True, columnwise: bool = True, device=None,
                  scale_inv: torch.Tensor | None = None):
-    """The TE quantizer that makes what ``codec`` makes (bit-exact; see tests/gpu/test_te_parity.py).
+    """The TE quantizer that makes what ``recipe`` makes (bit-exact; see tests/gpu/test_te_parity.py).
 
     Args:
-        codec: our recipe object.
+        recipe: our recipe object.
         rowwise, columnwise: the quantizer's usages.
         device: device of the quantizer's state (per-tensor recipes).
         scale_inv: delayed scaling: the scale_inv of the tensor (the quantizer holds ``1/scale_inv``).
     """
     m = _te()
-    if isinstance(codec, DelayedScaling):
+    if isinstance(recipe, DelayedScaling):
         dev = device if device is not None else (scale_inv.device if scale_inv is not None else "cuda")
         scale = (torch.reciprocal(scale_inv.float().reshape(1)) if scale_inv is not None
                  else torch.ones(1, dtype=torch.float32, device=dev))
         return m["Float8Quantizer"](scale, torch.zeros(1, dtype=torch.float32, device=scale.device),
-                                    _tex_dtype(codec.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
-    if isinstance(codec, CurrentScaling):
+                                    _tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
+    if isinstance(recipe, CurrentScaling):
         return m["Float8CurrentScalingQuantizer"](
-            _tex_dtype(codec.fp8_dtype), device if device is not None else "cuda", rowwise=rowwise, columnwise=columnwise,
-            force_pow_2_scales=codec.force_pow_2_scales, amax_epsilon=codec.amax_epsilon,
+            _tex_dtype(recipe.fp8_dtype), device if device is not None else "cuda", rowwise=rowwise, columnwise=columnwise,
+            force_pow_2_scales=recipe.force_pow_2_scales, amax_epsilon=recipe.amax_epsilon,
         )
-    if isinstance(codec, Blockwise):
+    if isinstance(recipe, Blockwise):
         return m["Float8BlockQuantizer"](
-            _tex_dtype(codec.fp8_dtype), rowwise=rowwise, columnwise=columnwise, amax_epsilon=codec.amax_epsilon,
-            force_pow_2_scales=codec.force_pow_2_scales, block_scaling_dim=codec.block_dims,
+            _tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise, amax_epsilon=recipe.amax_epsilon,
+            force_pow_2_scales=recipe.force_pow_2_scales, block_scaling_dim=recipe.block_dims,
         )
-    if isinstance(codec, MXFP8):
-        return m["MXFP8Quantizer"](_tex_dtype(codec.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
-    raise RecipeError(f"no TE quantizer for recipe {codec!r}")
+    if isinstance(recipe, MXFP8):
+        return m["MXFP8Quantizer"](_tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
+    raise RecipeError(f"no TE quantizer for recipe {recipe!r}")
 
 
-def codec_from_te(t) -> Codec:
-    """Our codec for a TE tensor (from its quantizer where it has one, else from its class)."""
+def recipe_from_te(t) -> Recipe:
+    """Our recipe for a TE tensor (from its quantizer where it has one, else from its class)."""
     m = _te()
     quantizer = getattr(t, "_quantizer", None)
     fp8 = _torch_fp8_dtype(t._fp8_dtype)
@@ -147,27 +147,27 @@ def te_buffers(q: QuantizedTensor, usages: tuple[str, ...] | None = None) -> dic
     (and MXFP8 columnwise data, and the per-tensor scale_inv) are views of ``q``'s planes; for
     per-tensor recipes a transpose cache already built on ``q`` is reused."""
     usages = tuple(q.usages if usages is None else usages)
-    return _te_buffers(q.codec, q._planes, tuple(q.shape), usages, q._transpose)
+    return _te_buffers(q.recipe, q._planes, tuple(q.shape), usages, q._transpose)
 
 
-def _te_buffers(codec: Codec, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None,
+def _te_buffers(recipe: Recipe, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None,
                 reuse: dict | None = None) -> dict[str, torch.Tensor | None]:
-    """:func:`te_buffers` from the parts of a QuantizedTensor (``reuse``: see ``Codec.te_layout``)."""
-    per_tensor = _is_per_tensor(type(codec))
+    """:func:`te_buffers` from the parts of a QuantizedTensor (``reuse``: see ``Recipe.te_layout``)."""
+    per_tensor = _is_per_tensor(type(recipe))
     if per_tensor and transpose is not None and COLUMNWISE in usages:
-        layout = codec.te_layout(planes, shape, tuple(u for u in usages if u != COLUMNWISE), reuse)
+        layout = recipe.te_layout(planes, shape, tuple(u for u in usages if u != COLUMNWISE), reuse)
         layout["_transpose"] = transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
     else:
-        layout = codec.te_layout(planes, shape, usages, reuse)
+        layout = recipe.te_layout(planes, shape, usages, reuse)
     names = _BUFFERS["Float8Tensor"] if per_tensor else _BUFFERS["Float8BlockwiseQTensor"]
     return {n: layout.get(n) for n in names}
 
 
 @functools.cache
-def _is_per_tensor(codec_type: type) -> bool:
-    """``issubclass(codec_type, _PerTensor)``, memoized: FSDP's hook asks at every gather, and an
+def _is_per_tensor(recipe_type: type) -> bool:
+    """``issubclass(recipe_type, _PerTensor)``, memoized: FSDP's hook asks at every gather, and an
     ABC subclass check is not free."""
-    return issubclass(codec_type, _PerTensor)
+    return issubclass(recipe_type, _PerTensor)
 
 
 def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, quantizer=None,
@@ -178,7 +178,7 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
         q: a (local, unsharded) quantized tensor on a CUDA device.
         usages: usages the TE tensor serves (default: ``q.usages``); a columnwise usage builds the
             transposed data TE's Hopper GEMMs need (the transpose cache).
-        quantizer: TE quantizer to attach (default: :func:`te_quantizer` of ``q.codec`` with these usages).
+        quantizer: TE quantizer to attach (default: :func:`te_quantizer` of ``q.recipe`` with these usages).
         requires_grad: of the result.
 
     Example:
@@ -196,36 +196,36 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
     for u in usages:
         q.plane(u)  # raises for a usage q does not hold
     m = _te()
-    codec = q.codec
+    recipe = q.recipe
     bufs = te_buffers(q, usages)
     shape = tuple(q.shape)
     if quantizer is None:
-        quantizer = te_quantizer(codec, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages,
-                                 device=q.device, scale_inv=q._planes[ROWWISE].scale_inv if isinstance(codec, DelayedScaling) else None)
+        quantizer = te_quantizer(recipe, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages,
+                                 device=q.device, scale_inv=q._planes[ROWWISE].scale_inv if isinstance(recipe, DelayedScaling) else None)
     common = dict(shape=shape, dtype=q.dtype, requires_grad=requires_grad, device=q.device,
-                  fp8_dtype=_tex_dtype(codec.fp8_dtype), quantizer=quantizer)
-    if isinstance(codec, _PerTensor):
+                  fp8_dtype=_tex_dtype(recipe.fp8_dtype), quantizer=quantizer)
+    if isinstance(recipe, _PerTensor):
         return m["Float8Tensor"](data=bufs["_data"], fp8_scale_inv=bufs["_scale_inv"],
                                  data_transpose=bufs["_transpose"], **common)
-    if isinstance(codec, Blockwise):
+    if isinstance(recipe, Blockwise):
         return m["Float8BlockwiseQTensor"](
             rowwise_data=bufs["_rowwise_data"], rowwise_scale_inv=bufs["_rowwise_scale_inv"],
             columnwise_data=bufs["_columnwise_data"], columnwise_scale_inv=bufs["_columnwise_scale_inv"],
-            is_2D_scaled=codec.block_dims == 2, **common,
+            is_2D_scaled=recipe.block_dims == 2, **common,
         )
-    if isinstance(codec, MXFP8):
+    if isinstance(recipe, MXFP8):
         return m["MXFP8Tensor"](
             rowwise_data=bufs["_rowwise_data"], rowwise_scale_inv=bufs["_rowwise_scale_inv"],
             columnwise_data=bufs["_columnwise_data"], columnwise_scale_inv=bufs["_columnwise_scale_inv"],
             with_gemm_swizzled_scales=False, **common,
         )
-    raise RecipeError(f"to_te_tensor: no TE tensor class for recipe {codec!r}")
+    raise RecipeError(f"to_te_tensor: no TE tensor class for recipe {recipe!r}")
 
 
 def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = None):
     """Point an existing TE tensor at ``q``'s buffers (FSDP's ``out=`` gathers); returns ``t``."""
     usages = tuple(q.usages if usages is None else usages)
-    return _point_te_tensor(t, q.codec, q._planes, tuple(q.shape), usages, q._transpose)
+    return _point_te_tensor(t, q.recipe, q._planes, tuple(q.shape), usages, q._transpose)
 
 
 #: Attribute of a TE tensor made by the FSDP hook: its padded scale tensors by TE name, kept across
@@ -233,11 +233,11 @@ def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = No
 _SCALE_BUFFERS_ATTR = "_dtensor_fp8_scale_buffers"
 
 
-def _point_te_tensor(t, codec: Codec, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None):
+def _point_te_tensor(t, recipe: Recipe, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None):
     """:func:`update_te_tensor_` from the parts of a QuantizedTensor. Padded scale tensors from
     earlier calls on ``t`` are overwritten, not reallocated."""
     kept = t.__dict__.setdefault(_SCALE_BUFFERS_ATTR, {})
-    bufs = _te_buffers(codec, planes, shape, usages, transpose, reuse=kept)
+    bufs = _te_buffers(recipe, planes, shape, usages, transpose, reuse=kept)
     for name, value in bufs.items():
         setattr(t, name, value)
         if value is not None and name.endswith("_scale_inv") and name != "_scale_inv":
@@ -257,15 +257,15 @@ def from_te_tensor(t, *, dtype: torch.dtype | None = None) -> QuantizedTensor:
         t: ``Float8Tensor`` / ``Float8BlockwiseQTensor`` / ``MXFP8Tensor`` (or their storage classes).
         dtype: nominal dtype (default: ``t.dtype``).
     """
-    codec = codec_from_te(t)
+    recipe = recipe_from_te(t)
     shape = tuple(t.shape)
-    names = _BUFFERS["Float8Tensor"] if isinstance(codec, _PerTensor) else _BUFFERS["MXFP8Tensor"]
+    names = _BUFFERS["Float8Tensor"] if isinstance(recipe, _PerTensor) else _BUFFERS["MXFP8Tensor"]
     bufs = {n: getattr(t, n, None) for n in names}
-    if isinstance(codec, _PerTensor) and getattr(t, "_transpose_invalid", False):
+    if isinstance(recipe, _PerTensor) and getattr(t, "_transpose_invalid", False):
         bufs["_transpose"] = None
-    planes = codec.from_te_layout(bufs, shape)
+    planes = recipe.from_te_layout(bufs, shape)
     usages = []
-    if isinstance(codec, _PerTensor):
+    if isinstance(recipe, _PerTensor):
         if bufs["_data"] is not None:
             usages.append(ROWWISE)
         if bufs["_transpose"] is not None or bufs["_data"] is not None:
@@ -273,12 +273,12 @@ def from_te_tensor(t, *, dtype: torch.dtype | None = None) -> QuantizedTensor:
     else:
         if bufs["_rowwise_data"] is not None:
             usages.append(ROWWISE)
-        if bufs["_columnwise_data"] is not None or (codec.columnwise_is_transpose and bufs["_rowwise_data"] is not None):
+        if bufs["_columnwise_data"] is not None or (recipe.columnwise_is_transpose and bufs["_rowwise_data"] is not None):
             usages.append(COLUMNWISE)
     nominal = dtype or t.dtype
     matrix = as_matrix_shape(shape)
     # TE's transpose cache is not carried over: it is rebuilt from the shared bytes when needed.
-    return QuantizedTensor(planes, codec, matrix, nominal, tuple(usages))
+    return QuantizedTensor(planes, recipe, matrix, nominal, tuple(usages))
 
 
 # ---- TE modules ---------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def _is_te_quantized(p) -> bool:
 
 def quantize_te_module_(
     module: nn.Module,
-    recipe: Codec | None = None,
+    recipe: Recipe | None = None,
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     keep_hp_init: bool = True,
@@ -362,7 +362,7 @@ def quantize_te_module_(
     return module
 
 
-def fsdp_te_view(planes: dict, codec: Codec, shape: tuple[int, int], dtype: torch.dtype,
+def fsdp_te_view(planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
                  usages: tuple[str, ...], out, orig_rows: int):
     """Called by ``fsdp.fsdp_post_all_gather`` for parameters of marked TE modules, with the
     gathered planes (views of FSDP's buffers) of a ``shape`` weight serving ``usages``.
@@ -375,9 +375,9 @@ def fsdp_te_view(planes: dict, codec: Codec, shape: tuple[int, int], dtype: torc
 
     if out is not None and shape[0] == orig_rows:
         # te_layout builds the transposed copy a columnwise usage needs.
-        _point_te_tensor(getattr(out, "_local_tensor", out), codec, planes, shape, usages)
+        _point_te_tensor(getattr(out, "_local_tensor", out), recipe, planes, shape, usages)
         return None
-    gathered = QuantizedTensor(planes, codec, shape, dtype, usages)
+    gathered = QuantizedTensor(planes, recipe, shape, dtype, usages)
     if shape[0] != orig_rows:
         gathered = slice_quantized(gathered, 0, 0, orig_rows)
     if out is not None:

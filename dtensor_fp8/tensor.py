@@ -2,7 +2,7 @@
 
 [Note: what a QuantizedTensor is]
 A wrapper subclass with the *nominal* dtype (bf16/fp32) and logical shape of the weight it
-replaces. It holds the planes its codec stores (``rowwise`` and/or ``columnwise``, each FP8 data +
+replaces. It holds the planes its recipe stores (``rowwise`` and/or ``columnwise``, each FP8 data +
 ``scale_inv`` in the logical orientation, see ``formats/base.py``), the usages it can serve, and,
 for transpose-derived recipes, an optional transpose cache (TE's physical ``(K, M)`` copy).
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .formats.base import COLUMNWISE, ROWWISE, USAGES, Codec, Plane, RecipeError
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
 
 
 def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,13 @@ def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedTensor(torch.Tensor):
-    """FP8 planes + codec, looking like a high-precision tensor of ``dtype`` and ``shape``.
+    """FP8 planes + recipe, looking like a high-precision tensor of ``dtype`` and ``shape``.
 
     Build one with :func:`dtensor_fp8.quantize`; the constructor takes planes already made.
 
     Args:
         planes: stored planes by usage (``"rowwise"`` / ``"columnwise"``), logical orientation.
-        codec: the recipe object that made them.
+        recipe: the recipe object that made them.
         shape: logical shape (2-D).
         dtype: nominal high-precision dtype (what ``dequantize()`` returns by default).
         usages: which usages this tensor can serve; defaults to what ``planes`` allow.
@@ -42,34 +42,34 @@ class QuantizedTensor(torch.Tensor):
     """
 
     _planes: dict[str, Plane]
-    _codec: Codec
+    _recipe: Recipe
     _usages: tuple[str, ...]
     _transpose: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, planes, codec, shape, dtype, usages=None, transpose=None, requires_grad=False):
+    def __new__(cls, planes, recipe, shape, dtype, usages=None, transpose=None, requires_grad=False):
         if not planes:
-            raise RecipeError(f"{codec.name}: a QuantizedTensor needs at least one plane")
+            raise RecipeError(f"{recipe.name}: a QuantizedTensor needs at least one plane")
         some = next(iter(planes.values())).data
         return torch.Tensor._make_wrapper_subclass(
             cls, torch.Size(shape), dtype=dtype, device=some.device, requires_grad=requires_grad
         )
 
-    def __init__(self, planes, codec, shape, dtype, usages=None, transpose=None, requires_grad=False):
+    def __init__(self, planes, recipe, shape, dtype, usages=None, transpose=None, requires_grad=False):
         self._planes = dict(planes)
-        self._codec = codec
+        self._recipe = recipe
         if usages is None:
-            usages = tuple(u for u in USAGES if codec.stored_usage(u) in self._planes)
+            usages = tuple(u for u in USAGES if recipe.stored_usage(u) in self._planes)
         self._usages = tuple(u for u in USAGES if u in usages)
         for u in self._usages:
-            if codec.stored_usage(u) not in self._planes:
-                raise RecipeError(f"{codec.name}: usage {u!r} needs the {codec.stored_usage(u)!r} plane, which is absent")
+            if recipe.stored_usage(u) not in self._planes:
+                raise RecipeError(f"{recipe.name}: usage {u!r} needs the {recipe.stored_usage(u)!r} plane, which is absent")
         self._transpose = transpose
 
     # ---- accessors --------------------------------------------------------------------------------
     @property
-    def codec(self) -> Codec:
-        return self._codec
+    def recipe(self) -> Recipe:
+        return self._recipe
 
     @property
     def usages(self) -> tuple[str, ...]:
@@ -82,10 +82,10 @@ class QuantizedTensor(torch.Tensor):
 
     def plane(self, usage: str) -> Plane:
         """The stored plane that serves ``usage``; raises if this tensor does not hold it."""
-        stored = self._codec.stored_usage(usage)
+        stored = self._recipe.stored_usage(usage)
         if usage not in self._usages or stored not in self._planes:
             raise RecipeError(
-                f"{self._codec.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
+                f"{self._recipe.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
                 f"{self._usages}, not {usage!r}. Gather/quantize with {usage} usage enabled "
                 "(e.g. quantize(..., columnwise=True)); planes are never rebuilt from high precision implicitly."
             )
@@ -102,13 +102,13 @@ class QuantizedTensor(torch.Tensor):
             >>> w = quantize(torch.randn(64, 64), MXFP8()).dequantize(torch.float32)
         """
         usage = usage or self._usages[0]
-        return self._codec.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
+        return self._recipe.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
 
     # ---- transpose cache ----------------------------------------------------------------------------
     def create_transpose_cache(self) -> torch.Tensor | None:
         """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent."""
-        if self._codec.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:
-            self._transpose = self._codec.transpose_cache(self._planes[ROWWISE])
+        if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:
+            self._transpose = self._recipe.transpose_cache(self._planes[ROWWISE])
         return self._transpose
 
     def discard_transpose_cache(self) -> None:
@@ -117,16 +117,16 @@ class QuantizedTensor(torch.Tensor):
     def columnwise_matrix(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized ``(M, K)`` values as the backward GEMM reads them: from the columnwise
         plane, or for transpose-derived recipes from the transpose cache (built if missing)."""
-        if self._codec.columnwise_is_transpose and COLUMNWISE in self._usages:
+        if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages:
             transposed = self.create_transpose_cache()
             plane = self._planes[ROWWISE]
-            return self._codec.decode(transposed.t(), plane.scale_inv, COLUMNWISE, dtype)
+            return self._recipe.decode(transposed.t(), plane.scale_inv, COLUMNWISE, dtype)
         return self.dequantize(dtype, COLUMNWISE)
 
     # ---- construction helpers -------------------------------------------------------------------
     def _rebuild(self, planes, shape=None, usages=None, transpose=None, dtype=None) -> "QuantizedTensor":
         return QuantizedTensor(
-            planes, self._codec, self.shape if shape is None else shape, dtype or self.dtype,
+            planes, self._recipe, self.shape if shape is None else shape, dtype or self.dtype,
             self._usages if usages is None else usages, transpose,
         )
 
@@ -135,7 +135,7 @@ class QuantizedTensor(torch.Tensor):
         only one direction's bytes, e.g. ``q.with_usages("rowwise")`` for forward."""
         for u in usages:
             self.plane(u)
-        stored = {self._codec.stored_usage(u) for u in usages}
+        stored = {self._recipe.stored_usage(u) for u in usages}
         return self._rebuild({k: v for k, v in self._planes.items() if k in stored}, usages=usages)
 
     def inner_tensors(self) -> list[torch.Tensor]:
@@ -143,17 +143,17 @@ class QuantizedTensor(torch.Tensor):
 
     def __tensor_flatten__(self):
         names = [f"{u}_{part}" for u in self._planes for part in ("data", "scale_inv")]
-        return names, (self._codec, self._usages, tuple(self._planes), self.dtype)
+        return names, (self._recipe, self._usages, tuple(self._planes), self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        codec, usages, stored, dtype = ctx
+        recipe, usages, stored, dtype = ctx
         planes = {u: Plane(inner[f"{u}_data"], inner[f"{u}_scale_inv"]) for u in stored}
-        return QuantizedTensor(planes, codec, outer_size, dtype, usages)
+        return QuantizedTensor(planes, recipe, outer_size, dtype, usages)
 
     def __repr__(self) -> str:
         return (
-            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._codec!r}, "
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe!r}, "
             f"usages={self._usages}, planes={tuple(self._planes)})"
         )
 

@@ -73,7 +73,7 @@ def test_te_layout_round_trip(golden, name):
 @pytest.mark.parametrize("recipe", [d.MXFP8(), d.Blockwise(block_dims=1), d.Blockwise(block_dims=2), d.CurrentScaling()],
                          ids=lambda r: r.name)
 @pytest.mark.parametrize("shape", [(256, 512), (200, 300), (4, 64, 256)])
-def test_codec_scale_extents_match_te_shapes(recipe, shape):
+def test_recipe_scale_extents_match_te_shapes(recipe, shape):
     """The library's te_scale_extents agrees with the independent reading of TE's get_scale_shape."""
     if isinstance(recipe, d.MXFP8) and shape == (200, 300):
         pytest.skip("MXFP8 rejects shapes not divisible by 32 (tested in test_formats_spec.py)")

@@ -1,4 +1,4 @@
-"""Spec-level tests of the codecs against pure-Python scalar references.
+"""Spec-level tests of the recipes against pure-Python scalar references.
 
 Every expected value here is derived independently of ``dtensor_fp8``: fp32 arithmetic is emulated
 with ``struct`` (a Python float holds any fp32 exactly; ``f32()`` rounds a double to the nearest

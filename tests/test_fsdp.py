@@ -261,7 +261,7 @@ def _train_bf16_masters(recipe_name):
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_bf16_masters(pools, recipe_name):
     """``master_dtype=torch.bfloat16``: masters and optimizer state in bf16, FSDP's bf16 gradient
-    used without a copy, and every FP8 plane the codec's quantization of its (full) master."""
+    used without a copy, and every FP8 plane the recipe's quantization of its (full) master."""
     recipe = RECIPES[recipe_name]
     losses, grads_shared, state_dtypes, master_dtypes, masters, planes = pools[WORLD_SIZES[0]].run(
         _train_bf16_masters, recipe_name)[0]

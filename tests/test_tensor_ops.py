@@ -129,7 +129,7 @@ def test_split_chunk_slice_at_block_boundaries(name):
 @pytest.mark.parametrize("name", ["mxfp8", "block1d", "block2d"])
 def test_boundary_inside_a_block_raises(name):
     _, q = make(name)
-    blocks = {str(q.codec.block_shape(u)) for u, b in DIM0_BLOCK[name].items() if b and b > 1}
+    blocks = {str(q.recipe.block_shape(u)) for u, b in DIM0_BLOCK[name].items() if b and b > 1}
     for bad in (lambda: q[40:], lambda: torch.split(q, 40), lambda: q.narrow(0, 40, 64)):
         with pytest.raises(d.RecipeError) as e:
             bad()
@@ -303,14 +303,14 @@ SHAPES = {
 
 @params
 def test_te_layout_round_trip(name):
-    codec = RECIPES[name]
+    recipe = RECIPES[name]
     for i, shape in enumerate(SHAPES[name]):
         _, q = make(name, shape=shape, seed=10 + i, dtype=torch.bfloat16)
         assert tuple(q.shape) == shape
         for view in (q, q.with_usages("rowwise"), q.with_usages("columnwise")):
             bufs = d.te_layout(view)
-            planes = codec.from_te_layout(bufs, shape)
-            back = d.QuantizedTensor(planes, codec, shape, torch.bfloat16, view.usages)
+            planes = recipe.from_te_layout(bufs, shape)
+            back = d.QuantizedTensor(planes, recipe, shape, torch.bfloat16, view.usages)
             assert_same_bytes(back, view)
             again = d.te_layout(back)
             assert set(again) == set(bufs)

@@ -11,7 +11,7 @@ import sys
 
 #: subcommand -> (module, one-line description)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "codec": ("dtensor_fp8.benchmarks.codec", "quantize GB/s of our codecs vs TE's kernels vs a device copy"),
+    "quantize": ("dtensor_fp8.benchmarks.quantize", "quantize GB/s of our recipes vs TE's kernels vs a device copy"),
     "wire": ("dtensor_fp8.benchmarks.fsdp", "FSDP2 all-gather bytes per parameter per step, by recipe vs bf16"),
     "memory": ("dtensor_fp8.benchmarks.fsdp", "per-rank sharded-parameter, master and peak memory, by recipe vs bf16"),
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),

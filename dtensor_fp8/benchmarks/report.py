@@ -2,10 +2,10 @@
 JSON and one PNG.
 
 Runs the FSDP2 wire-bytes / memory measurement (``fsdp.py``) on ``--world-size`` ranks of this
-machine (CPU/gloo, or CUDA/NCCL where GPUs are present), the codec throughput benchmark
-(``codec.py``) on this device and, where CUDA and Transformer Engine are present, the TE training
+machine (CPU/gloo, or CUDA/NCCL where GPUs are present), the quantize throughput benchmark
+(``quantize.py``) on this device and, where CUDA and Transformer Engine are present, the TE training
 step benchmark (``te_step.py``); results of another machine (e.g. the H200 runs recorded in
-``docs/benchmarks.md``) can be merged with ``--codec-json`` / ``--te-step-json``. Writes ``--out/report.json`` and, when
+``docs/benchmarks.md``) can be merged with ``--quantize-json`` / ``--te-step-json``. Writes ``--out/report.json`` and, when
 matplotlib is installed (``pip install dtensor_fp8[bench]``), ``--out/report.png``.
 """
 
@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from . import codec, fsdp, te_step
+from . import fsdp, quantize, te_step
 
 
 def plot(report: dict, path: str) -> bool:
@@ -45,7 +45,7 @@ def plot(report: dict, path: str) -> bool:
     ax.set_title(f"per-rank parameter memory (MiB), {report['fsdp']['world_size']} ranks")
     ax.legend()
     ax = axes[2]
-    for label, data in report.get("codec", {}).items():
+    for label, data in report.get("quantize", {}).items():
         rows = [r for r in data["results"] if r.get("input_gbps") and r["impl"] in ("ours", "ours_te_kernels", "te")]
         ax.barh([f"{r['recipe']} {r['impl']} ({label})" for r in rows], [r["input_gbps"] for r in rows])
     ax.set_title("quantize GB/s (input read)\nours = reference, ours_te_kernels = its CUDA fast path")
@@ -64,19 +64,19 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--out", default="bench_out")
-    p.add_argument("--codec-json", action="append", default=[], help="extra codec.json files to include")
+    p.add_argument("--quantize-json", action="append", default=[], help="extra quantize.json files to include")
     p.add_argument("--te-step-json", action="append", default=[], help="extra te_step.json files to include")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world_size else "cpu"
     fsdp.main(["--world-size", str(args.world_size), "--device", device, "--out", args.out])
-    codec.main(["--out", args.out])
-    report = {"fsdp": json.load(open(os.path.join(args.out, "fsdp.json"))), "codec": {}}
-    here = json.load(open(os.path.join(args.out, "codec.json")))
-    report["codec"][here["meta"]["device"]] = here
-    for extra in args.codec_json:
+    quantize.main(["--out", args.out])
+    report = {"fsdp": json.load(open(os.path.join(args.out, "fsdp.json"))), "quantize": {}}
+    here = json.load(open(os.path.join(args.out, "quantize.json")))
+    report["quantize"][here["meta"]["device"]] = here
+    for extra in args.quantize_json:
         data = json.load(open(extra))
-        report["codec"][data["meta"]["device"]] = data
+        report["quantize"][data["meta"]["device"]] = data
     report["te_step"] = {}
     if torch.cuda.is_available():  # te_step prints why and returns 2 where TE is missing
         if te_step.main(["--out", args.out]) == 0:

@@ -98,7 +98,7 @@ def _import_te():
 
 
 def _recipe_pair(name: str, ns):
-    """``(our codec, TE recipe factory)`` for a recipe name."""
+    """``(our recipe, TE recipe factory)`` for a recipe name."""
     import dtensor_fp8 as d
 
     if name == "delayed":
@@ -244,7 +244,7 @@ def _adam_kwargs(cfg) -> dict:
 
 
 # ---- one variant ------------------------------------------------------------------------------------
-def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
+def _setup(variant: str, ns, cfg, recipe, make_recipe, mesh):
     """``(model, optimizer, notes)`` for one variant."""
     import dtensor_fp8 as d
     from dtensor_fp8 import te as dte
@@ -274,7 +274,7 @@ def _setup(variant: str, ns, cfg, codec, make_recipe, mesh):
         return model, opt, notes
     if variant in OURS:
         model = _build(ns, cfg)
-        dte.quantize_te_module_(model, codec, keep_hp_init=False)
+        dte.quantize_te_module_(model, recipe, keep_hp_init=False)
         model = _shard(model, mesh, keep_attrs=False)
         master_dtype = torch.bfloat16 if variant == "e" else torch.float32
         opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, master_dtype=master_dtype, **_adam_kwargs(cfg))
@@ -311,7 +311,7 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
     allocated before it was built (other kept variants, idle meanwhile)."""
     te = ns.te
     row = {"recipe": recipe_name, "variant": VARIANTS[variant][0], "key": variant}
-    codec, make_recipe = _recipe_pair(recipe_name, ns)
+    recipe, make_recipe = _recipe_pair(recipe_name, ns)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
@@ -322,7 +322,7 @@ def run_variant(variant: str, recipe_name: str, ns, cfg, mesh, keep: bool = Fals
     handles = []
     t_setup = time.perf_counter()
     try:
-        model, opt, notes = _setup(variant, ns, cfg, codec, make_recipe, mesh)
+        model, opt, notes = _setup(variant, ns, cfg, recipe, make_recipe, mesh)
         row.update(notes)
         torch.cuda.synchronize()
         row["setup_s"] = time.perf_counter() - t_setup

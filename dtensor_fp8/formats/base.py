@@ -1,4 +1,4 @@
-"""The codec interface: the only place that knows how FP8 bytes and scales are laid out.
+"""The recipe interface: the only place that knows how FP8 bytes and scales are laid out.
 
 [Note: planes, usages and the logical orientation]
 A quantized weight ``W`` of logical shape ``(M, K)`` has up to two *planes*:
@@ -12,7 +12,7 @@ where a block extent of ``None`` means "the whole dimension" (per-tensor scaling
 Because of that, sharding a plane along dim 0 (or 1) is slicing data rows and scale rows at the
 same block boundary, and gathering is concatenation: the placement and FSDP code never needs to
 know the recipe. Transformer Engine's physical layouts (transposed columnwise storage, padded
-scale tensors) are produced only at the TE boundary, by :meth:`Codec.te_layout`.
+scale tensors) are produced only at the TE boundary, by :meth:`Recipe.te_layout`.
 
 For per-tensor and 128x128 blockwise recipes the columnwise plane is the rowwise plane with the
 same bytes (``columnwise_is_transpose``): only the rowwise plane is stored and moved, and TE's
@@ -75,10 +75,10 @@ class Plane:
 
 
 class RecipeError(ValueError):
-    """A shape, recipe or world size that a codec cannot represent exactly."""
+    """A shape, layout or world size that a recipe cannot represent exactly."""
 
 
-class Codec(abc.ABC):
+class Recipe(abc.ABC):
     """One FP8 recipe: block geometry, scale rule, and the TE storage layout.
 
     Subclasses are the public recipe objects (``DelayedScaling``, ``CurrentScaling``,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import te_kernels
-from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data, transpose_2d
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data, transpose_2d
 from .per_tensor import _check_fp8_dtype
 from .scaling import reciprocal, scale_from_amax
 
@@ -29,7 +29,7 @@ def _pad_cols(t: torch.Tensor, cols: int, reuse: torch.Tensor | None = None) -> 
 
 
 @dataclass(frozen=True, repr=True)
-class Blockwise(Codec):
+class Blockwise(Recipe):
     """FP8 blockwise scaling with fp32 scales per 1x128 (``block_dims=1``) or 128x128 block.
 
     Args:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, pad_2d, round_up, te_data
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, pad_2d, round_up, te_data
 from .per_tensor import _check_fp8_dtype
 
 BLOCK = 32
@@ -60,7 +60,7 @@ def e8m0_reciprocal(biased_exponent: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, repr=True)
-class MXFP8(Codec):
+class MXFP8(Recipe):
     """MXFP8: E4M3 data with an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block.
 
     Args:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from . import te_kernels
-from .base import COLUMNWISE, ROWWISE, BlockShape, Codec, Plane, RecipeError, as_matrix_shape, te_data, transpose_2d
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, te_data, transpose_2d
 from .scaling import reciprocal, scale_from_amax
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -24,7 +24,7 @@ def _check_fp8_dtype(recipe: str, fp8_dtype: torch.dtype, allowed=_FP8_DTYPES) -
         raise RecipeError(f"{recipe}: fp8_dtype must be one of {allowed} (TE's E4M3 / E5M2), got {fp8_dtype}")
 
 
-class _PerTensor(Codec):
+class _PerTensor(Recipe):
     columnwise_is_transpose = True
 
     def block_shape(self, usage: str) -> BlockShape:
@@ -53,7 +53,7 @@ class _PerTensor(Codec):
                           for hp, a in zip(hps, amaxes)])
 
     def _encode_each(self, hps, usage, scales: torch.Tensor, scale_invs: torch.Tensor):
-        """Planes from per-tensor scales, one at a time (see ``Codec.requantize_planes``)."""
+        """Planes from per-tensor scales, one at a time (see ``Recipe.requantize_planes``)."""
         return (Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
                 for hp, scale, scale_inv in zip(hps, scales, scale_invs))
 

@@ -1,12 +1,12 @@
-"""Transformer Engine's CUDA kernels as the codecs' fast path: the same bytes, several times faster.
+"""Transformer Engine's CUDA kernels as the recipes' fast path: the same bytes, several times faster.
 
 [Note: one set of bytes, two implementations]
-Every codec is written in plain torch: that reference runs everywhere (the CPU CI included) and is
+Every recipe is written in plain torch: that reference runs everywhere (the CPU CI included) and is
 checked byte for byte against TE's outputs in ``shared/golden``. On a CUDA tensor, where
 ``transformer_engine`` imports, the hot steps of requantizing weights after each optimizer step
 call the kernels TE makes its own FP8 weights with (the pure-torch path reads and writes the
 tensor five or six times; one TE kernel does it in one pass — ``python -m dtensor_fp8.benchmarks
-codec`` shows both):
+recipe`` shows both):
 
 * per-tensor amax: ``tex.compute_amax`` (an ``fmaxf`` reduction: NaN ignored, as the reference);
 * the scaled, saturating per-tensor cast with a given scale: TE's ``Float8Quantizer`` — the scale
@@ -14,7 +14,7 @@ codec`` shows both):
   which is also how TE casts sharded master weights (``transformer_engine.pytorch.tensor.utils``);
   an optimizer step has it write straight into the weight's existing FP8 bytes;
 * blockwise quantization of a local shard (its blocks never straddle shards):
-  ``Float8BlockQuantizer``, its output read back with the codec's ``from_te_layout``;
+  ``Float8BlockQuantizer``, its output read back with the recipe's ``from_te_layout``;
 * the FP8 byte transpose TE's Hopper GEMMs read for the backward pass: ``tex.fp8_transpose``
   (torch's generic strided copy of a 1-byte tensor is several times slower).
 
@@ -71,7 +71,7 @@ def takes_input(hp: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def reference_only():
-    """Within the block every codec runs its pure-torch reference, also on CUDA (tests comparing
+    """Within the block every recipe runs its pure-torch reference, also on CUDA (tests comparing
     the two paths, benchmarks timing both). Sets ``DTENSOR_FP8_TE_KERNELS=0`` process-wide, so
     it is not meant for threads running other FP8 work meanwhile.
 
@@ -160,7 +160,7 @@ def cast_with_scales_into(hps: list[torch.Tensor], scales: torch.Tensor, outs: l
 def blockwise_quantize(hp: torch.Tensor, *, block_dims: int, fp8_dtype: torch.dtype, force_pow_2_scales: bool,
                        amax_epsilon: float, rowwise: bool, columnwise: bool) -> dict[str, torch.Tensor | None]:
     """TE's blockwise quantization of a 2-D tensor: TE's buffers (``_rowwise_data``, padded
-    ``_rowwise_scale_inv``, ...) for the codec's ``from_te_layout``."""
+    ``_rowwise_scale_inv``, ...) for the recipe's ``from_te_layout``."""
     te = _te()
     quantizer = te.Float8BlockQuantizer(te.dtypes[fp8_dtype], rowwise=rowwise, columnwise=columnwise,
                                         amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,

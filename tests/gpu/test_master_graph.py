@@ -7,7 +7,7 @@ after each step every FP8 plane (data and scale_inv) and every delayed-scaling s
 byte-identical between them, the graphed one must really have replayed a graph, and no plane may
 have moved (the graph writes into the weights' storage). Then the graphed optimizer loads the
 eager one's state dict (new scaling-state tensors): its graph must follow the new tensors, not
-write into the old ones. Runs for every recipe (MXFP8 through the reference codec on sm_90).
+write into the old ones. Runs for every recipe (MXFP8 through the reference recipe on sm_90).
 """
 
 from __future__ import annotations

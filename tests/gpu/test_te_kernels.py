@@ -1,4 +1,4 @@
-"""The codecs' TE-kernel fast path (``dtensor_fp8/formats/te_kernels.py``) writes the bytes of
+"""The recipes' TE-kernel fast path (``dtensor_fp8/formats/te_kernels.py``) writes the bytes of
 their pure-torch reference, on a CUDA device with Transformer Engine.
 
 For every recipe with a fast path (per-tensor delayed / current, blockwise 1-D / 2-D) and every

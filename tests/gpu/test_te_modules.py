@@ -11,7 +11,7 @@ Runs only where ``transformer_engine.pytorch`` imports and CUDA is visible (the 
    views; a stack of TransformerLayers trains 20 steps with MasterWeightOptimizer, weights stay
    FP8 shards, and the loss tracks TE's own non-FSDP run with the same recipe.
 MXFP8: TE's MXFP8 kernels need sm_100+; on sm_90 the conversion and the FSDP gathers run through
-our codec and the TE GEMM/dequantize checks are skipped with that reason.
+our recipe and the TE GEMM/dequantize checks are skipped with that reason.
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def _weight(m, k, seed=0):
     return w.to(BF16).to(DEV)
 
 
-def _valid(name, t, m, k, codec):
+def _valid(name, t, m, k, recipe):
     cd = lambda a, b: -(-a // b)  # noqa: E731
-    if isinstance(codec, d.Blockwise):
-        reg = ({"_rowwise_scale_inv": (cd(k, 128), m), "_columnwise_scale_inv": (cd(m, 128), k)} if codec.block_dims == 1
+    if isinstance(recipe, d.Blockwise):
+        reg = ({"_rowwise_scale_inv": (cd(k, 128), m), "_columnwise_scale_inv": (cd(m, 128), k)} if recipe.block_dims == 1
                else {"_rowwise_scale_inv": (cd(m, 128), cd(k, 128)), "_columnwise_scale_inv": (cd(k, 128), cd(m, 128))})
-    elif isinstance(codec, d.MXFP8):
+    elif isinstance(recipe, d.MXFP8):
         reg = {"_rowwise_scale_inv": (m, k // 32), "_columnwise_scale_inv": (m // 32, k)}
     else:
         reg = {}
@@ -94,22 +94,22 @@ def _valid(name, t, m, k, codec):
 @pytest.mark.parametrize("shape", [(256, 512), (384, 640), (1024, 1024)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("name", NAMES)
 def test_to_te_tensor_zero_copy_and_round_trip(name, shape):
-    codec, _ = RECIPES[name]
-    q = d.quantize(_weight(*shape), codec)
+    recipe, _ = RECIPES[name]
+    q = d.quantize(_weight(*shape), recipe)
     t = dte.to_te_tensor(q)
     assert isinstance(t, TEQuantizedTensor) and tuple(t.shape) == shape and t.dtype == BF16
     # zero copy where layouts agree
-    if isinstance(codec, (d.DelayedScaling, d.CurrentScaling)):
+    if isinstance(recipe, (d.DelayedScaling, d.CurrentScaling)):
         assert t._data.data_ptr() == q.plane("rowwise").data.data_ptr()
         assert t._scale_inv.data_ptr() == q.plane("rowwise").scale_inv.data_ptr()
         assert t._transpose is not None and not t._transpose_invalid
     else:
         assert t._rowwise_data.data_ptr() == q.plane("rowwise").data.data_ptr()
-        if isinstance(codec, d.MXFP8):
+        if isinstance(recipe, d.MXFP8):
             assert t._columnwise_data.data_ptr() == q.plane("columnwise").data.data_ptr()
     # round trip: same planes, and the rowwise bytes still shared
     back = dte.from_te_tensor(t)
-    assert back.codec == codec and back.usages == q.usages
+    assert back.recipe == recipe and back.usages == q.usages
     for u, p in q._planes.items():
         assert torch.equal(_u8(back._planes[u].data), _u8(p.data)), u
         assert torch.equal(_u8(back._planes[u].scale_inv), _u8(p.scale_inv)), u
@@ -120,10 +120,10 @@ def test_to_te_tensor_zero_copy_and_round_trip(name, shape):
 def test_te_buffers_equal_te_quantizer(name):
     """Our TE view has TE's own buffers byte for byte (valid regions of padded scales)."""
     _skip_mx(name)
-    codec, _ = RECIPES[name]
+    recipe, _ = RECIPES[name]
     w = _weight(384, 640, 1)
-    t = dte.to_te_tensor(d.quantize(w, codec))
-    quantizer = dte.te_quantizer(codec, device=DEV)
+    t = dte.to_te_tensor(d.quantize(w, recipe))
+    quantizer = dte.te_quantizer(recipe, device=DEV)
     with torch.no_grad():
         ref = quantizer(w)
     if hasattr(ref, "_transpose_invalid") and (ref._transpose is None or ref._transpose_invalid):
@@ -135,10 +135,10 @@ def test_te_buffers_equal_te_quantizer(name):
         if a is None:
             continue
         assert tuple(a.shape) == tuple(b.shape), (n, a.shape, b.shape)
-        assert torch.equal(_u8(_valid(n, a, 384, 640, codec)), _u8(_valid(n, b, 384, 640, codec))), n
+        assert torch.equal(_u8(_valid(n, a, 384, 640, recipe)), _u8(_valid(n, b, 384, 640, recipe))), n
     # TE -> ours: a TE-made tensor converts to exactly our quantization
     q_te = dte.from_te_tensor(ref)
-    q = d.quantize(w, codec)
+    q = d.quantize(w, recipe)
     for u, p in q._planes.items():
         assert torch.equal(_u8(q_te._planes[u].data), _u8(p.data)), u
         assert torch.equal(_u8(q_te._planes[u].scale_inv), _u8(p.scale_inv)), u
@@ -147,13 +147,13 @@ def test_te_buffers_equal_te_quantizer(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_te_dequantize_equals_ours(name):
     _skip_mx(name)
-    codec, _ = RECIPES[name]
-    q = d.quantize(_weight(256, 512, 2), codec)
+    recipe, _ = RECIPES[name]
+    q = d.quantize(_weight(256, 512, 2), recipe)
     t = dte.to_te_tensor(q)
     with torch.no_grad():
         got = t.dequantize(dtype=torch.float32)
     assert torch.equal(got.view(torch.int32), q.dequantize(torch.float32).view(torch.int32))
-    if not isinstance(codec, d.MXFP8):  # columnwise-only view (what a backward gather makes)
+    if not isinstance(recipe, d.MXFP8):  # columnwise-only view (what a backward gather makes)
         tc = dte.to_te_tensor(q, usages=("columnwise",))
         with torch.no_grad():
             got_c = tc.dequantize(dtype=torch.float32)
@@ -171,7 +171,7 @@ def _run_linear(lin, x, dy, make_recipe):
 @pytest.mark.parametrize("name", GEMM_NAMES)
 def test_te_linear_gemm_on_view_equals_te(name):
     """te.Linear fprop + dgrad on our TE view == te.Linear quantizing the same bf16 weight."""
-    codec, make_recipe = RECIPES[name]
+    recipe, make_recipe = RECIPES[name]
     m, k, tokens = 512, 1024, 256
     w = _weight(m, k, 3)
     x = torch.randn(tokens, k, device=DEV, dtype=BF16)
@@ -181,7 +181,7 @@ def test_te_linear_gemm_on_view_equals_te(name):
         ref.weight.copy_(w)
     y_ref, dx_ref = _run_linear(ref, x, dy, make_recipe)
     ours = te.Linear(k, m, bias=False, params_dtype=BF16, device=DEV)
-    ours.weight = nn.Parameter(dte.to_te_tensor(d.quantize(w, codec)), requires_grad=True)
+    ours.weight = nn.Parameter(dte.to_te_tensor(d.quantize(w, recipe)), requires_grad=True)
     y, dx = _run_linear(ours, x, dy, make_recipe)
     assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16)), f"fprop differs: max {((y - y_ref).abs().max())}"
     assert torch.equal(dx.view(torch.int16), dx_ref.view(torch.int16)), f"dgrad differs: max {((dx - dx_ref).abs().max())}"
@@ -214,13 +214,13 @@ def _make_module(kind, seed=0):
     raise KeyError(kind)
 
 
-def _te_view_module(module, codec):
+def _te_view_module(module, recipe):
     """Non-FSDP reference: every 2-D weight replaced by a TE view of our quantization."""
     ref = copy.deepcopy(module)
     for sub in ref.modules():
         for pname, p in list(sub.named_parameters(recurse=False)):
             if p.dim() == 2:
-                setattr(sub, pname, nn.Parameter(dte.to_te_tensor(d.quantize(p.detach(), codec)), requires_grad=True))
+                setattr(sub, pname, nn.Parameter(dte.to_te_tensor(d.quantize(p.detach(), recipe)), requires_grad=True))
     return ref
 
 
@@ -231,10 +231,10 @@ def test_te_module_under_fully_shard(mesh, name, kind, reshard):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    codec, make_recipe = RECIPES[name]
+    recipe, make_recipe = RECIPES[name]
     module = _make_module(kind)
-    ref = _te_view_module(module, codec)
-    dte.quantize_te_module_(module, codec)
+    ref = _te_view_module(module, recipe)
+    dte.quantize_te_module_(module, recipe)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
     seen = []
     module.register_forward_pre_hook(lambda m, a: seen.extend(
@@ -256,9 +256,9 @@ def test_te_module_under_fully_shard(mesh, name, kind, reshard):
             torch.testing.assert_close(g.float(), g_ref.float(), rtol=0, atol=0, msg=f"wgrad {pname}")
 
 
-def test_mxfp8_gathers_through_codec(mesh):
+def test_mxfp8_gathers_through_reference(mesh):
     """MXFP8 weights of a TE module under fully_shard: the gathered unsharded parameter is an
-    MXFP8Tensor over our codec's bytes (TE's MXFP8 GEMM is not run on sm_90, see MX_REASON)."""
+    MXFP8Tensor over our recipe's bytes (TE's MXFP8 GEMM is not run on sm_90, see MX_REASON)."""
     from torch.distributed.fsdp import fully_shard
 
     module = _make_module("LayerNormMLP")
@@ -283,7 +283,7 @@ def test_mxfp8_gathers_through_codec(mesh):
 HIDDEN, FFN, HEADS, SEQ, BATCH, LAYERS, STEPS, LR = 1024, 4096, 16, 512, 2, 2, 20, 2e-4
 #: |loss_ours - loss_te| / loss_te at every step. Both runs start from the same TE FP8 params
 #: (te.quantized_model_init) and FP32 masters from TE's preserved init values; both requantize
-#: from the FP32 masters after each Adam step (TE: ``param.copy_(master)``, ours: our codec, bit-exact
+#: from the FP32 masters after each Adam step (TE: ``param.copy_(master)``, ours: our recipe, bit-exact
 #: with TE's quantizer). Current and 2-D blockwise scales are a function of the master, so the
 #: runs differ only by nondeterministic kernels; delayed scaling differs in when the scale
 #: follows the amax (TE: at the next autocast from fp8_meta; ours: at the requantization).
@@ -342,14 +342,14 @@ def test_transformer_layers_train_under_fully_shard(mesh, name, record_property)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    codec, make_recipe = RECIPES[name]
+    recipe, make_recipe = RECIPES[name]
     model = _stack(make_recipe)
     te_params = {n: p for n, p in model.named_parameters() if isinstance(p, TEQuantizedTensor)}
     te_bytes = {n: dte.from_te_tensor(p) for n, p in te_params.items()}
-    dte.quantize_te_module_(model, codec)  # TE FP8 params -> ours (bytes kept, masters from TE's init vals)
+    dte.quantize_te_module_(model, recipe)  # TE FP8 params -> ours (bytes kept, masters from TE's init vals)
     for n, q in te_bytes.items():
         ours = dict(model.named_parameters())[n]
-        assert ours.codec == codec, (n, ours.codec)
+        assert ours.recipe == recipe, (n, ours.recipe)
         assert torch.equal(_u8(ours.plane("rowwise").data), _u8(q.plane("rowwise").data)), n
     n_fp8 = sum(isinstance(p, d.QuantizedTensor) for p in model.parameters())
     assert n_fp8 == 4 * LAYERS  # qkv, proj, fc1, fc2
@@ -387,15 +387,15 @@ def test_te_module_dcp_round_trip(mesh, name, tmp_path):
     into a freshly built module (the TE module's own extra state travels alongside)."""
     from torch.distributed.fsdp import fully_shard
 
-    codec, _ = RECIPES[name]
+    recipe, _ = RECIPES[name]
     module = _make_module("LayerNormMLP", seed=0)
-    dte.quantize_te_module_(module, codec)
+    dte.quantize_te_module_(module, recipe)
     fully_shard(module, mesh=mesh)
     saved = {k: v for k, v in module.state_dict().items()}
     assert isinstance(saved["fc1_weight"], dict) and saved["fc1_weight"]["rowwise_data"].dtype == torch.uint8
     d.save_checkpoint({"model": module.state_dict()}, str(tmp_path), 1)
     fresh = _make_module("LayerNormMLP", seed=1)  # other values
-    dte.quantize_te_module_(fresh, codec)
+    dte.quantize_te_module_(fresh, recipe)
     fully_shard(fresh, mesh=mesh)
     state = {"model": fresh.state_dict()}
     d.load_checkpoint(state, d.latest_checkpoint(str(tmp_path)))

@@ -11,13 +11,13 @@ an all-zero block) are quantized by TE's quantizer and by :func:`dtensor_fp8.qua
 * ``q.dequantize(torch.float32)`` is compared with TE's ``dequantize(dtype=torch.float32)`` as
   bits.
 
-The codecs run their pure-torch reference here (``te_kernels.reference_only``): on CUDA their
+The recipes run their pure-torch reference here (``te_kernels.reference_only``): on CUDA their
 fast path *is* TE's kernels, compared with the reference in ``test_te_kernels.py``.
 
 NaN / Inf / zero / tiny / huge inputs are checked separately (``test_special_values``), FP8 bytes
 exactly, NaN included (see the note there); only the dequantized fp32 NaNs are compared by position.
 
-MXFP8: TE's MXFP8 kernels exist only for sm_100+; on an H200 (sm_90) only our codec runs, and
+MXFP8: TE's MXFP8 kernels exist only for sm_100+; on an H200 (sm_90) only our recipe runs, and
 its buffers are checked against TE's allocation shapes.
 """
 
@@ -74,8 +74,8 @@ SHAPES = [
 
 
 @pytest.fixture(autouse=True)
-def _reference_codecs():
-    """Compare TE with the codecs' pure-torch reference: on CUDA the codecs would otherwise call
+def _reference_recipes():
+    """Compare TE with the recipes' pure-torch reference: on CUDA the recipes would otherwise call
     these very TE kernels (their fast path, checked against the reference in test_te_kernels.py)."""
     from dtensor_fp8.formats import te_kernels
 
@@ -278,8 +278,8 @@ def test_parity_random(name, shape, dtype):
 def test_special_values(name, case, dtype):
     # NaN bytes, seen on the H200 (TE 2.20.2, torch 2.11.0+cu130): TE writes 0x7F for every NaN
     # input, E4M3 and E5M2 alike, whatever the input NaN's sign (fp32 0x7FC00000 / 0xFFC00000, bf16
-    # 0xFFFF). Our codec on CUDA writes 0x7F too (the GPU's fp32 multiply returns the canonical
-    # +NaN), so FP8 bytes are compared exactly here, NaN included. On the CPU our codec currently
+    # 0xFFFF). Our recipe on CUDA writes 0x7F too (the GPU's fp32 multiply returns the canonical
+    # +NaN), so FP8 bytes are compared exactly here, NaN included. On the CPU our recipe currently
     # writes 0xFF for a negative NaN (x86 keeps the sign through the multiply). The dequantized
     # fp32 NaNs are compared by position only (NaN payloads carry no meaning).
     x = special_input(case, HP_DTYPES[dtype])
@@ -307,8 +307,8 @@ def test_every_te_recipe_covered():
 
 @pytest.mark.parametrize("dtype", list(HP_DTYPES), ids=list(HP_DTYPES))
 @pytest.mark.parametrize("shape", [(256, 512), (4, 64, 256), (1024, 4096)], ids=lambda s: "x".join(map(str, s)))
-def test_mxfp8_codec_on_cuda(shape, dtype):
-    """Our MXFP8 codec runs on CUDA: TE's buffer shapes, and the same bytes as on the CPU."""
+def test_mxfp8_reference_on_cuda(shape, dtype):
+    """Our MXFP8 recipe runs on CUDA: TE's buffer shapes, and the same bytes as on the CPU."""
     x = make_input(shape, HP_DTYPES[dtype], _seed("mxfp8", shape, dtype))
     recipe = d.MXFP8()
     q = d.quantize(x, recipe)
@@ -354,7 +354,7 @@ def test_te_mxfp8_kernels(shape, dtype):
             f"TE's MXFP8 quantize kernels are compiled for sm_100+ only (quantize_mxfp8_kernel is "
             f"guarded by __CUDA_ARCH__ >= 1000; on this sm_{CC[0]}{CC[1]} device TE's MXFP8 quantize "
             "silently writes nothing and its dequantize raises), so there is nothing to compare with here; "
-            "our MXFP8 codec is checked by test_mxfp8_codec_on_cuda and the CPU golden/spec tests"
+            "our MXFP8 recipe is checked by test_mxfp8_reference_on_cuda and the CPU golden/spec tests"
         )
     x = make_input(shape, HP_DTYPES[dtype], _seed("te-mxfp8", shape, dtype))
     recipe = d.MXFP8()

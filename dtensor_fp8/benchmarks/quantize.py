@@ -1,14 +1,14 @@
-"""Quantize throughput: our pure-PyTorch codecs vs Transformer Engine's kernels vs a device copy.
+"""Quantize throughput: our pure-PyTorch recipes vs Transformer Engine's kernels vs a device copy.
 
-``python -m dtensor_fp8.benchmarks codec [--size N] [--dtype bf16] [--out DIR]``
+``python -m dtensor_fp8.benchmarks recipe [--size N] [--dtype bf16] [--out DIR]``
 
 For one ``N x N`` input (default 8192 x 8192 bf16 on CUDA, 1024 x 1024 on CPU) and each recipe,
 times quantization producing both the rowwise and the columnwise usage:
 
-* ``ours``: :func:`dtensor_fp8.quantize` with the codecs' pure-torch reference (stored planes in
+* ``ours``: :func:`dtensor_fp8.quantize` with the recipes' pure-torch reference (stored planes in
   the logical orientation; per-tensor and 128x128 recipes store one plane, TE's transpose is not
   built);
-* ``ours_te_kernels``: the same call with the codecs' TE-kernel fast path (``formats/te_kernels.py``:
+* ``ours_te_kernels``: the same call with the recipes' TE-kernel fast path (``formats/te_kernels.py``:
   CUDA with TE present; per-tensor and blockwise recipes), checked byte for byte against ``ours``;
 * ``ours+te_layout``: the same followed by :func:`dtensor_fp8.te_layout` (TE's physical buffers:
   transposed copies, padded scales), i.e. the same bytes TE's kernels write;
@@ -20,7 +20,7 @@ Timing: CUDA events around each call (wall clock on CPU), after warm-up, median 
 calls (at least 20) rotating over ``--buffers`` (at least 3) inputs so no call reads an input the
 previous one left in L2. GB/s counts the input bytes read (``numel * itemsize``); the copy is also
 reported counting read + write. The markdown table goes to stdout, the JSON to
-``--out/codec.json`` (default ``./bench_out/codec.json``) with torch/TE versions, device, date.
+``--out/quantize.json`` (default ``./bench_out/quantize.json``) with torch/TE versions, device, date.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _MIN_REPS, _MIN_BUFFERS = 20, 3
 
 
 # ---- recipes --------------------------------------------------------------------------------------
-def _recipes() -> dict[str, d.Codec]:
+def _recipes() -> dict[str, d.Recipe]:
     return {
         "delayed_e4m3": d.DelayedScaling(fp8_dtype=torch.float8_e4m3fn),
         "current_e4m3": d.CurrentScaling(fp8_dtype=torch.float8_e4m3fn),
@@ -80,7 +80,7 @@ def _import_te():
     return ns, None
 
 
-def _te_quantizer(ns, recipe: d.Codec, device: torch.device, cc: tuple[int, int]):
+def _te_quantizer(ns, recipe: d.Recipe, device: torch.device, cc: tuple[int, int]):
     """``(quantizer, None)`` or ``(None, why TE does not run it here)``."""
     if device.type != "cuda":
         return None, "TE needs CUDA"
@@ -119,7 +119,7 @@ def _te_buffers(t, names):
     return {n: getattr(t, n) for n in names}
 
 
-def _valid_region(name: str, m: int, k: int, recipe: d.Codec):
+def _valid_region(name: str, m: int, k: int, recipe: d.Recipe):
     """Unpadded extent of one of TE's padded scale tensors (TE leaves the padding uninitialized)."""
     return recipe.te_scale_extents((m, k)).get(name)
 
@@ -182,7 +182,7 @@ def _row(recipe: str, impl: str, ms: list[float] | None, in_bytes: int, copy_gbp
 
 # ---- main -----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks codec", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks quantize", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=int, default=None, help="rows = cols of the input (default 8192 on CUDA, 1024 on CPU)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffers", type=int, default=_MIN_BUFFERS, help=f"rotating inputs (>= {_MIN_BUFFERS})")
     p.add_argument("--recipes", default=None, help=f"comma-separated subset of {','.join(_recipes())}")
     p.add_argument("--no-te", action="store_true", help="do not import Transformer Engine")
-    p.add_argument("--out", default="bench_out", help="directory for codec.json (default ./bench_out)")
+    p.add_argument("--out", default="bench_out", help="directory for quantize.json (default ./bench_out)")
     args = p.parse_args(argv)
     if args.reps < _MIN_REPS or args.buffers < _MIN_BUFFERS:
         p.error(f"--reps must be >= {_MIN_REPS} and --buffers >= {_MIN_BUFFERS}")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     arch = f" (sm_{cc[0]}{cc[1]})" if device.type == "cuda" else ""
     te_desc = te_ns.version if te_ns else f"not used ({te_reason})"
-    print(f"# codec quantize benchmark: {size}x{size} {args.dtype} on {device_name}{arch}; "
+    print(f"# quantize benchmark: {size}x{size} {args.dtype} on {device_name}{arch}; "
           f"torch {torch.__version__}; TE {te_desc}", flush=True)
 
     rows = []
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows, copy)
     print(table)
     meta = {
-        "benchmark": "codec", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "benchmark": "quantize", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name, "device_type": device.type, "compute_capability": list(cc),
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformer_engine": te_ns.version if te_ns else None,
         "te_note": te_reason, "python": platform.python_version(), "shape": list(shape), "dtype": args.dtype,
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv,
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "codec.json")
+    path = os.path.join(args.out, "quantize.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "copy": copy, "results": rows, "table_markdown": table}, f, indent=1)
     print(f"\nwrote {path}")
