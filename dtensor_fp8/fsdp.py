@@ -350,8 +350,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
         rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
-        out_local._planes, out_local._usages = trimmed._planes, trimmed._usages
-        out_local._transpose = None
+        out_local.repoint_(trimmed.planes, trimmed.usages)
         if COLUMNWISE in usages:
             out_local.create_transpose_cache()
         _keep_shared_scales(out_local, planes, shared_scales)

@@ -104,7 +104,34 @@ class QuantizedTensor(torch.Tensor):
         usage = usage or self._usages[0]
         return self._recipe.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
 
+    def repoint_(self, planes: dict[str, Plane], usages: tuple[str, ...] | None = None,
+                 transpose: torch.Tensor | None = None) -> "QuantizedTensor":
+        """Point this tensor at other planes of the same recipe and logical shape, in place (the one
+        way to change what a QuantizedTensor holds: FSDP2 re-uses its unsharded parameter object
+        across gathers).
+
+        Args:
+            planes: the new planes by usage.
+            usages: usages they serve (default: what ``planes`` allow).
+            transpose: a transpose cache matching ``planes`` (default: none).
+
+        Example:
+            >>> unsharded.repoint_(gathered.planes, gathered.usages)
+        """
+        if usages is None:
+            usages = tuple(u for u in USAGES if self._recipe.stored_usage(u) in planes)
+        for u in usages:
+            if self._recipe.stored_usage(u) not in planes:
+                raise RecipeError(f"{self._recipe.name}: usage {u!r} needs the {self._recipe.stored_usage(u)!r} plane, which is absent")
+        self._planes, self._usages, self._transpose = dict(planes), tuple(u for u in USAGES if u in usages), transpose
+        return self
+
     # ---- transpose cache ----------------------------------------------------------------------------
+    @property
+    def transpose_cache(self) -> torch.Tensor | None:
+        """TE's transposed ``(K, M)`` copy of the shared plane, if built (see :meth:`create_transpose_cache`)."""
+        return self._transpose
+
     def create_transpose_cache(self) -> torch.Tensor | None:
         """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent."""
         if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:

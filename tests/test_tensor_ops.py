@@ -268,7 +268,7 @@ def test_linear_reads_the_right_planes(name, act_dtype):
 @pytest.mark.parametrize("name", ["delayed", "current", "block2d"])
 def test_transpose_cache(name):
     _, q = make(name, shape=(256, 384), seed=5)
-    assert q._transpose is None
+    assert q.transpose_cache is None
     t = q.create_transpose_cache()
     assert t is not None and tuple(t.shape) == (384, 256) and t.is_contiguous()
     assert torch.equal(u8(t), u8(q.plane("rowwise").data).t().contiguous())
@@ -279,7 +279,7 @@ def test_transpose_cache(name):
     w_row = ref_dequant(q.planes["rowwise"], BLOCKS[name]["rowwise"])
     assert torch.equal(q.columnwise_matrix(torch.float32), w_row)
     q.discard_transpose_cache()
-    assert q._transpose is None
+    assert q.transpose_cache is None
     x = torch.randn(4, 384, requires_grad=True)
     grad = torch.randn(4, 256)
     F.linear(x, q).backward(grad)
@@ -288,7 +288,7 @@ def test_transpose_cache(name):
     q.create_transpose_cache()
     src = torch.randn(256, 384)
     q.copy_(src)
-    assert q._transpose is None
+    assert q.transpose_cache is None
 
 
 # ---- TE layout round trip ------------------------------------------------------------------------------------

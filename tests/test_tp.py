@@ -218,7 +218,7 @@ def test_local_gemms_pick_the_plane_by_contraction_dim(recipe_name):
     assert torch.equal(torch.mm(q, x.t()), row @ x.t())  # also contracts K
     assert torch.equal(torch.mm(dy, wt.t()), dy @ col)  # input gradient dx = dy W: contracts M
     assert torch.equal(torch.mm(wt, dy.t()), col.t() @ dy.t())  # dx^T = W^T dy^T: contracts M
-    assert q._transpose is None  # the transpose cache does not outlive its one use
+    assert q.transpose_cache is None  # the transpose cache does not outlive its one use
     with pytest.raises(NotImplementedError, match="transpose of a quantized weight"):
         wt + 1
 
