@@ -25,7 +25,7 @@ from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extens
 from .checkpoint import export_hp_state_dict, latest_checkpoint, load_checkpoint, load_hp_state_dict, save_checkpoint
 from .fsdp import gather_both_usages
 from .linear import quantized_linear
-from .master import MasterWeightOptimizer
+from .optim import MasterWeightOptimizer
 from .module import quantize_module_
 from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout

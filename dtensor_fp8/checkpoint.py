@@ -170,7 +170,7 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
     Example:
         >>> dtensor_fp8.load_hp_state_dict(model, torch.load("bf16.pt"), optimizer=opt)
     """
-    from .master import _local_slice, requantize_from_hp_
+    from .requantize import local_slice, requantize_from_hp_
 
     masters = optimizer.masters if optimizer is not None else {}
     items = []
@@ -178,7 +178,7 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
         if name not in state_dict:
             raise KeyError(f"load_hp_state_dict: {name} missing from the state dict")
         src = state_dict[name]
-        local = local_tensor(src) if isinstance(src, DTensor) else _local_slice(src, p)
+        local = local_tensor(src) if isinstance(src, DTensor) else local_slice(src, p)
         local = local.to(device=local_tensor(p).device)
         if isinstance(local_tensor(p), QuantizedTensor):
             items.append((name, p, local.float()))

@@ -225,7 +225,6 @@ def worker(rank: int, args) -> None:
     # Resume into a fresh model, as a restarted job would.
     model = build(args, device, mesh, fp8=True)
     opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, lr=args.lr)
-    opt.init_state()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint(args.ckpt))
     with trusted_te_extra_state(args.te):

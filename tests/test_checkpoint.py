@@ -8,7 +8,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import dtensor_fp8 as d
 from dist_utils import BACKEND, DEVICE, WORLD_SIZES
@@ -58,10 +58,20 @@ def _full_planes(model, opt):
     return out
 
 
+def _app_state(model, opt) -> dict:
+    """What a training loop checkpoints, through torch's own state-dict helpers (FQN keys)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _restore(model, opt, state: dict) -> None:
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def _save(root, recipe_name, mode, step=2, drop=None):
     model, opt = _build(recipe_name, mode)
     _steps(model, opt, step, seed=0)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state = _app_state(model, opt)
     if drop:  # a checkpoint written without one plane
         del state["model"]["0.weight"][drop]
     d.save_checkpoint(state, root, step)
@@ -70,11 +80,9 @@ def _save(root, recipe_name, mode, step=2, drop=None):
 
 def _load(root, recipe_name, mode, continue_steps=0):
     model, opt = _build(recipe_name, mode)
-    opt.init_state()
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state = _app_state(model, opt)
     d.load_checkpoint(state, d.latest_checkpoint(root))
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
+    _restore(model, opt, state)
     planes = _full_planes(model, opt)
     losses = _steps(model, opt, continue_steps, seed=100) if continue_steps else []
     return planes, losses, (_full_planes(model, opt) if continue_steps else None)
@@ -110,7 +118,7 @@ def test_reshard_is_byte_exact(pools, tmp_path, recipe_name, saved, loaded):
 def _train_through(root, recipe_name, save_at, total):
     model, opt = _build(recipe_name, "reshard")
     before = _steps(model, opt, save_at, seed=0)
-    d.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, root, save_at)
+    d.save_checkpoint(_app_state(model, opt), root, save_at)
     after = _steps(model, opt, total - save_at, seed=100)
     return before, after, _full_planes(model, opt)
 
@@ -155,18 +163,18 @@ def test_checkpoint_is_plain_tensors(pools, tmp_path):
     assert lines["model.0.weight.rowwise_scale_inv"] == "Tensor torch.uint8 (1024, 16)"  # E8M0 bytes
     assert lines["model.0.weight.columnwise_scale_inv"] == "Tensor torch.uint8 (32, 512)"
     assert lines["model.0.weight.recipe"].startswith("str")
-    assert lines["optim.masters.0.weight"] == "Tensor torch.float32 (1024, 512)"
+    assert lines["optim.state.0.weight.master"] == "Tensor torch.float32 (1024, 512)"
+    assert lines["optim.state.0.weight.exp_avg"] == "Tensor torch.float32 (1024, 512)"
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
 def _load_expecting_error(root, recipe_name):
     model, opt = _build(recipe_name, "reshard")
-    opt.init_state()
     before = _full_planes(model, opt)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state = _app_state(model, opt)
     try:
         d.load_checkpoint(state, d.latest_checkpoint(root))
-        model.load_state_dict(state["model"])
+        _restore(model, opt, state)
     except (d.RecipeError, RuntimeError) as err:
         after = _full_planes(model, opt)
         _assert_same(after, before)  # nothing half-loaded
@@ -276,7 +284,7 @@ def test_truncated_shard_file_names_entries_and_loads_nothing(pools, tmp_path):
 def _save_then_fail(root, recipe_name):
     model, opt = _build(recipe_name, "reshard")
     _steps(model, opt, 1, seed=0)
-    d.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, root, 1)
+    d.save_checkpoint(_app_state(model, opt), root, 1)
     good = _full_planes(model, opt)
     _steps(model, opt, 1, seed=1)
     from torch.distributed.checkpoint import filesystem
@@ -287,7 +295,7 @@ def _save_then_fail(root, recipe_name):
 
         filesystem.FileSystemWriter.write_data = broken
     with pytest.raises(BaseException):  # DCP's CheckpointException is a BaseException
-        d.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, root, 2)
+        d.save_checkpoint(_app_state(model, opt), root, 2)
     return good
 
 
@@ -311,7 +319,7 @@ def _kill_during_save(rank, root):
                             store=dist.FileStore(os.path.join(root, "store"), 2))
     model, opt = _build("mxfp8", "reshard")
     _steps(model, opt, 1, seed=0)
-    d.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(root, "ckpt"), 1)
+    d.save_checkpoint(_app_state(model, opt), os.path.join(root, "ckpt"), 1)
     from torch.distributed.checkpoint import filesystem
 
     if rank == 1:
@@ -320,7 +328,7 @@ def _kill_during_save(rank, root):
 
         filesystem.FileSystemWriter.write_data = die
     try:
-        d.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(root, "ckpt"), 2)
+        d.save_checkpoint(_app_state(model, opt), os.path.join(root, "ckpt"), 2)
     except BaseException:  # noqa: BLE001  (rank 0 sees the group time out)
         os._exit(0)
     os._exit(1)
@@ -396,7 +404,7 @@ def _async_save(root, recipe_name):
     # DCP writes from a background thread: give it its own process group (as DCP recommends), so
     # its collectives never interleave with the training step's.
     group = dist.new_group(backend="gloo")
-    future = dcp.async_save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=root,
+    future = dcp.async_save(_app_state(model, opt), checkpoint_id=root,
                             process_group=group)
     expected = _full_planes(model, opt)
     _steps(model, opt, 1, seed=5)  # training goes on while the checkpoint is written
@@ -406,11 +414,9 @@ def _async_save(root, recipe_name):
 
 def _load_path(root, recipe_name):
     model, opt = _build(recipe_name, "reshard")
-    opt.init_state()
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    state = _app_state(model, opt)
     d.load_checkpoint(state, root)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
+    _restore(model, opt, state)
     return _full_planes(model, opt)
 
 

@@ -236,23 +236,27 @@ def _train_bf16_masters(recipe_name):
     _shard(model, "reshard")
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2, master_dtype=torch.bfloat16)
     losses, grads_shared = [], []
+    pairs = [(p, inner) for p, inner in zip(opt.param_groups[0]["params"], opt.inner.param_groups[0]["params"],
+                                             strict=True) if isinstance(d.placement.local_tensor(p), d.QuantizedTensor)]
+    # The inner optimizer steps each master's local shard with FSDP's own gradient shard.
+    opt.inner.register_step_pre_hook(lambda *_: grads_shared.append(
+        all(inner.grad.data_ptr() == p.grad.to_local().data_ptr() for p, inner in pairs)))
     for step in range(8):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, DIM, generator=g).to(DEVICE, torch.bfloat16)
         loss = model(x).float().pow(2).mean()
         loss.backward()
         opt.step()
-        # The inner optimizer steps each master's local shard with FSDP's own gradient shard.
-        grads_shared.append(all(inner.grad.data_ptr() == p.grad.to_local().data_ptr()
-                                for (_, p, _), inner in zip(opt.fp8_params, opt._fp8_inner, strict=True)))
         opt.zero_grad()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item())
-    state_dtypes = {str(v.dtype) for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"}
+    state_dtypes = {str(v.dtype) for s in opt.inner.state.values() for k, v in s.items() if k != "step"}
     masters = {n: m.full_tensor().detach().cpu() for n, m in opt.masters.items()}
     planes = {}
-    for name, p, _ in opt.fp8_params:
+    for name, p in model.named_parameters():
+        if name not in masters:
+            continue
         for usage in d.placement.local_tensor(p).usages:
             planes[(name, usage)] = d.for_usage(p, usage).full_tensor().plane(usage).map(lambda t: t.detach().cpu())
     return losses, grads_shared, state_dtypes, {str(m.dtype) for m in masters.values()}, masters, planes
@@ -356,7 +360,7 @@ def _unsharded_across_a_step(recipe_name):
         w = d.placement.local_tensor(model[0].weight)
         assert isinstance(w, d.QuantizedTensor) and tuple(w.shape) == (HIDDEN, DIM)
         before = w.dequantize(torch.float32).clone()
-        shard = d.placement.local_tensor(opt.fp8_params[0][1])
+        shard = d.placement.local_tensor(opt.param_groups[0]["params"][0])  # the sharded parameter
         shard_scale = shard._planes["rowwise"].scale_inv.clone()
         opt.step()
         opt.zero_grad()

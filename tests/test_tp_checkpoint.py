@@ -25,7 +25,6 @@ def _save_2d(root, recipe_name):
 def _load_1d(root, recipe_name):
     model, _ = _build("mlp", RECIPES[recipe_name], "1d")
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    opt.init_state()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     d.load_checkpoint(state, d.latest_checkpoint(root))
     model.load_state_dict(state["model"])

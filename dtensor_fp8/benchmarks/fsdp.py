@@ -86,7 +86,7 @@ def _run_variant(rank: int, world: int, store: str, variant: str, dim: int, laye
         state = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     else:
         masters = sum(_local_bytes(m) for m in opt.masters.values())
-        state = sum(_local_bytes(v) for s in opt.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        state = sum(_local_bytes(v) for s in opt.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     result = {
         "variant": variant, "rank": rank, "world_size": world, "numel": numel,
         "wire_bytes_per_param_step": counted.received / numel,

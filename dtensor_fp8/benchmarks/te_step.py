@@ -475,7 +475,7 @@ class _HostSplit:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
         import dtensor_fp8.fsdp as dfsdp
-        import dtensor_fp8.master as dmaster
+        import dtensor_fp8.optim as doptim
         from dtensor_fp8.tensor import QuantizedTensor
 
         out = [(FSDPParamGroup, "unshard", "FSDP2 unshard (all-gather issue)"),
@@ -484,7 +484,7 @@ class _HostSplit:
                (FSDPParamGroup, "reshard", "FSDP2 reshard"),
                (dfsdp, "fsdp_pre_all_gather", "dtensor_fp8 pre-all-gather hook"),
                (QuantizedTensor, "fsdp_post_all_gather", "dtensor_fp8 post-all-gather hook"),
-               (dmaster.MasterWeightOptimizer, "requantize_", "dtensor_fp8 requantize (optimizer step)"),
+               (doptim.MasterWeightOptimizer, "requantize_", "dtensor_fp8 requantize (optimizer step)"),
                (torch.optim.Adam, "step", "torch Adam.step (inside the optimizer step)")]
         try:
             from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor

@@ -29,7 +29,7 @@ from test_te_parity import HP_DTYPES, RECIPES, SHAPES, _delayed_scale, _seed, _u
 
 import dtensor_fp8 as d  # noqa: E402
 from dtensor_fp8.formats import te_kernels  # noqa: E402
-from dtensor_fp8.master import requantize_from_hp_  # noqa: E402
+from dtensor_fp8.requantize import requantize_from_hp_  # noqa: E402
 
 
 def assert_planes_equal(fast: d.Plane, ref: d.Plane, what: str) -> None:

@@ -1,0 +1,534 @@
+"""``MasterWeightOptimizer``: a ``torch.optim.Optimizer`` that trains FP8 parameters through
+high-precision masters.
+
+[Note: what the user holds and what steps]
+The object is a real ``torch.optim.Optimizer`` whose ``param_groups`` hold the *model's*
+parameters, FP8 and high-precision alike, in the groups the user chose: torch's LR schedulers,
+``group["lr"] = ...``, step hooks, ``zero_grad`` and ``torch.distributed.checkpoint.state_dict``
+(which maps optimizer state to FQNs through parameter identity) all see what they expect.
+
+The arithmetic is done by an *inner* optimizer of the class the user names (``torch.optim.AdamW``,
+...) over plain local tensors: for an FP8 parameter the local shard of its master (FP32 by
+default), for a sharded high-precision parameter a tensor sharing its local shard's storage, for
+anything else the parameter itself. An element-wise step is the same on a shard as on the
+DTensor, and DTensor's dispatch of a multi-tensor (``foreach`` / ``fused``) step costs several
+times the host time of the step itself (``python -m dtensor_fp8.benchmarks te_step
+--host-split``). Before every step the outer groups' hyper-parameters are copied into the inner
+groups (so a scheduler's or a user's change takes effect at that step) and the gradients are
+handed over as local shards (FSDP's reduce-scattered gradient as it is where the dtypes agree).
+After the step every FP8 shard is requantized in place from its master (``requantize.py``).
+
+[Note: optimizer state, as torch's utilities see it]
+``state[p]`` of an FP8 parameter ``p`` holds ``"master"`` (a DTensor laid out like ``p``), the
+inner optimizer's state of that master (``exp_avg``, ... as DTensors laid out like ``p``;
+``step`` as it is) and, for stateful recipes (delayed scaling), the scaling state by plane
+(``"rowwise_amax_history"``, ``"rowwise_scale"``). ``state[p]`` of a high-precision parameter
+holds the inner state of ``p``. ``state_dict()`` / ``load_state_dict()`` use torch's format
+(integer ids in ``param_groups`` order; ``torch.distributed.checkpoint.state_dict`` turns them into
+FQNs and back), so DCP reshards every entry.
+
+State exists from construction: reading ``state`` or calling ``state_dict()`` before the first step
+creates the inner optimizer's state the way ``torch.distributed.checkpoint.state_dict`` does for any
+torch optimizer (one inner step with zero gradients and learning rate 0, here also with weight
+decay 0 and with ``step`` counters set back to 0 afterwards), so a fresh optimizer is a complete
+template to load a checkpoint into and a resumed run needs no extra call. For Adam, AdamW, SGD
+(without dampening), RMSprop and Adagrad that state is exactly a fresh optimizer's (tested); an
+optimizer whose zero-gradient step is not a no-op on its state (e.g. NAdam's ``mu_product``) gets
+the state torch's own helpers would give it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .module import HP_INIT_ATTR
+from .placement import like, local_tensor
+from .requantize import GraphedRequantize, local_slice
+from .tensor import QuantizedTensor
+
+_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: state key of an FP8 parameter's master weight
+MASTER_KEY = "master"
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Any torch optimizer over high-precision masters of a model's FP8 parameters (see the notes).
+
+    High-precision parameters are optimized as they are. For each FP8 parameter (a
+    :class:`QuantizedTensor`, or a DTensor of them after ``fully_shard``) a master with the same
+    sharding is created (from the high-precision init values kept by ``quantize_module_``, else
+    from the dequantized FP8 values); its gradient is the parameter's (FSDP has already
+    reduce-scattered it in high precision); after ``step()`` the FP8 shard is requantized in place.
+
+    [Note: master dtype and memory]
+    FP32 masters (the default) cost 4 bytes per weight, and a torch optimizer keeps its state in
+    the master's dtype (Adam: 8 more bytes), on top of the 1-byte FP8 weight and the gradient; a
+    bf16 gradient is also copied to FP32 for the step. ``master_dtype=torch.bfloat16`` keeps masters
+    and optimizer state at 2 + 4 bytes, the precision a model trained with bf16 parameters has,
+    and hands FSDP's bf16 gradient to the optimizer without a copy.
+
+    Args:
+        model: the (sharded) model; build the optimizer after ``fully_shard``.
+        optimizer_cls: e.g. ``torch.optim.AdamW``.
+        params: parameters of ``model`` or param-group dicts, as torch optimizers take them
+            (default: every parameter of ``model``, one group). FP8 and high-precision
+            parameters may share a group.
+        master_dtype: dtype of the masters (and so of the optimizer state): ``torch.float32``
+            (default), ``torch.bfloat16`` or ``torch.float16``.
+        cuda_graph: replay the requantization after each step as a CUDA graph where possible
+            (see ``requantize.GraphedRequantize``); ``False`` issues it op by op every step.
+        **defaults: hyper-parameters for ``optimizer_cls`` (``lr=...``, ``betas=...``).
+
+    Example:
+        >>> decay = [p for n, p in model.named_parameters() if p.dim() == 2]
+        >>> other = [p for n, p in model.named_parameters() if p.dim() != 2]
+        >>> opt = dtensor_fp8.MasterWeightOptimizer(
+        ...     model, torch.optim.AdamW, [{"params": decay}, {"params": other, "weight_decay": 0.0}],
+        ...     lr=3e-4, weight_decay=0.1)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
+        >>> loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls: type, params: Iterable | None = None, *,
+                 master_dtype: torch.dtype = torch.float32, cuda_graph: bool = True, **defaults: Any):
+        if master_dtype not in _MASTER_DTYPES:
+            raise ValueError(f"MasterWeightOptimizer: master_dtype={master_dtype} is not a floating dtype for "
+                             f"master weights; use one of {_MASTER_DTYPES} (torch.float32 unless memory is short)")
+        if isinstance(optimizer_cls, torch.optim.Optimizer) or not (
+                isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"MasterWeightOptimizer: optimizer_cls must be a torch.optim.Optimizer class such as "
+                            f"torch.optim.AdamW, got {optimizer_cls!r}; pass its hyper-parameters as keywords")
+        if optimizer_cls is torch.optim.LBFGS:
+            raise TypeError("MasterWeightOptimizer: LBFGS re-evaluates the closure inside its step, which would "
+                            "need the FP8 weights requantized between evaluations; use a first-order optimizer")
+        self.master_dtype = master_dtype
+        self.model = model
+        groups = _param_groups(model if params is None else params)
+        self._fqn = _fqns(model, groups)
+        hp_init = _hp_inits(model)
+        #: FP8 parameter -> its master (an ``nn.Parameter``, a DTensor like the parameter when sharded)
+        self._masters: dict[torch.Tensor, nn.Parameter] = {}
+        #: model parameter -> what the inner optimizer steps for it (see the note)
+        self._inner_of: dict[torch.Tensor, torch.Tensor] = {}
+        with torch.no_grad():
+            for p in (p for g in groups for p in g["params"]):
+                local = local_tensor(p)
+                if isinstance(local, QuantizedTensor):
+                    kept = hp_init.get(self._fqn[p])
+                    init = kept[0].pop(kept[1]) if kept is not None else None
+                    if init is not None:
+                        master_local = local_slice(init, p).to(device=local.device, dtype=master_dtype).clone()
+                    else:
+                        master_local = local.dequantize(master_dtype)
+                    master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+                    self._masters[p] = master
+                    self._inner_of[p] = _local_alias(master)
+                else:
+                    self._inner_of[p] = _local_alias(p)
+        self._inner: torch.optim.Optimizer | None = None
+        inner = optimizer_cls([{**g, "params": [self._inner_of[p] for p in g["params"]]} for g in groups], **defaults)
+        super().__init__(groups, inner.defaults)
+        self._inner = inner
+        self._sync_hyperparameters()
+        #: per (fqn, usage) scaling state of stateful recipes (delayed scaling's amax history); made now,
+        #: from each plane's current scale, so a fresh optimizer is a complete checkpoint template
+        self.scaling_states: dict[tuple[str, str], dict] = {}
+        for p in self._masters:
+            q = local_tensor(p)
+            for usage, plane in q.planes.items():
+                state = q.recipe.initial_scaling_state(plane)
+                if state is not None:
+                    self.scaling_states[(self._fqn[p], usage)] = state
+        self._requantize = GraphedRequantize(cuda_graph)
+        self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
+        #: bumped whenever the inner state may have new tensors (a step, a load): ``state`` re-reads it
+        self._generation = 0
+        self.state = _StateView(self)
+
+    # ---- torch.optim.Optimizer API -------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later)."""
+        super().add_param_group(param_group)
+        if self._inner is None:  # inside __init__: the inner optimizer is built with every group
+            return
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if isinstance(local_tensor(p), QuantizedTensor):
+                raise ValueError(
+                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(p)} is an FP8 parameter; its master "
+                    "is made at construction. Pass every FP8 parameter when building the optimizer "
+                    "(frozen ones may have requires_grad=False).")
+            self._inner_of[p] = _local_alias(p)
+        self._fqn.update(_fqns(self.model, [group]))
+        self._inner.add_param_group({**group, "params": [self._inner_of[p] for p in group["params"]]})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the inner optimizer on the masters, then every FP8 shard requantized.
+
+        Args:
+            closure: re-evaluates the model and returns the loss; called once, before the step
+                (as SGD and Adam use it).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        materializing = self._hand_over_gradients()
+        self._inner.step()
+        self._drop_inner_gradients()
+        self._generation += 1
+        if not materializing:
+            self.requantize_()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._drop_inner_gradients()
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state-dict format: ``state`` keyed by integer ids in ``param_groups``
+        order, with DTensors laid out like the parameters (see the note), and ``param_groups``."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {p: i for i, p in enumerate(params)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in self.param_groups]
+        out = {"state": {index[p]: s for p, s in self.state.items()}, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict` (ids or, as ``torch.distributed.checkpoint.state_dict`` passes
+        them, FQNs: matched to this optimizer's parameters by position, as torch does).
+
+        Masters and scaling states are copied into this optimizer's own tensors (their storage is
+        kept: requantization graphs and DCP plans refer to it); values may be DTensors laid out like
+        the parameters or full tensors (each rank keeps its shard).
+
+        Args:
+            state_dict: from :meth:`state_dict` (or torch's DCP helpers).
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"MasterWeightOptimizer.load_state_dict: the state dict has {len(saved_groups)} param "
+                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the groups "
+                             "it was saved with")
+        id_map = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"MasterWeightOptimizer.load_state_dict: param group {i} has {len(saved['params'])} "
+                                 f"parameters in the state dict and {len(group['params'])} here")
+            id_map.update(zip(saved["params"], group["params"]))
+        states = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
+        for p in self._masters:  # check everything first: a failing load changes nothing
+            if p.requires_grad and MASTER_KEY not in states.get(p, {}):
+                raise KeyError(f"MasterWeightOptimizer.load_state_dict: no {MASTER_KEY!r} for FP8 parameter "
+                               f"{self._fqn_of(p)}; the state dict was not saved by a MasterWeightOptimizer over "
+                               "this model (to start masters from high precision use dtensor_fp8.load_hp_state_dict)")
+        inner_state = {}
+        inner_index = {inner: i for i, inner in enumerate(x for g in self._inner.param_groups for x in g["params"])}
+        for p, saved in states.items():
+            ref = self._masters.get(p, p)
+            own = {}
+            for key, value in saved.items():
+                if key == MASTER_KEY and p in self._masters:
+                    local_tensor(ref).copy_(_localize(value, ref, f"{self._fqn_of(p)}.{key}"))
+                elif p in self._masters and self._scaling_key(p, key) is not None:
+                    fqn_usage, field = self._scaling_key(p, key)
+                    self.scaling_states[fqn_usage][field].copy_(value.to(self.scaling_states[fqn_usage][field].device))
+                else:
+                    own[key] = _localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
+            if own:
+                inner_state[inner_index[self._inner_of[p]]] = own
+        inner_groups = [{**{k: v for k, v in saved.items() if k != "params"},
+                         "params": [inner_index[self._inner_of[p]] for p in group["params"]]}
+                        for saved, group in zip(saved_groups, self.param_groups)]
+        self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._sync_hyperparameters()
+        self._views.clear()
+        self._generation += 1
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ---- FP8 specifics -------------------------------------------------------------------------------
+    @property
+    def masters(self) -> dict[str, nn.Parameter]:
+        """FQN -> master of each FP8 parameter."""
+        return {self._fqn[p]: m for p, m in self._masters.items()}
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer doing the arithmetic, over local tensors (see the note)."""
+        return self._inner
+
+    @torch.no_grad()
+    def requantize_(self) -> None:
+        """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
+        self._requantize([(self._fqn[p], p, self._inner_of[p]) for p in self._masters], self.scaling_states)
+
+    def __repr__(self) -> str:
+        dtype = str(self.master_dtype).replace("torch.", "")
+        return (f"MasterWeightOptimizer({type(self._inner).__name__}, fp8_params={len(self._masters)}, "
+                f"master_dtype={dtype}, groups={len(self.param_groups)})")
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _fqn_of(self, p) -> str:
+        return self._fqn.get(p, "<parameter>")
+
+    def _sync_hyperparameters(self) -> None:
+        """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
+        for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
+            for key, value in outer.items():
+                if key != "params" and inner.get(key) is not value:
+                    inner[key] = value
+
+    def _drop_inner_gradients(self) -> None:
+        """Drop the inner tensors' references to this step's gradients (the model's own gradients stay
+        where FSDP put them until ``zero_grad``)."""
+        for p, inner in self._inner_of.items():
+            if inner is not p:
+                inner.grad = None
+
+    def _hand_over_gradients(self) -> bool:
+        """Give the inner tensors this step's gradients (local shards). Returns True for torch's
+        state-creating step (``torch.distributed.checkpoint.state_dict`` sets every gradient to
+        ``zeros_like(param)``, which for an FP8 parameter is an FP8 zero tensor): its gradients are
+        zeros, and the FP8 weights need no requantization after it."""
+        materializing = False
+        for p, inner in self._inner_of.items():
+            if isinstance(p, DTensor) and p not in self._masters:
+                local = p._local_tensor
+                if inner.data_ptr() != local.data_ptr() or inner.shape != local.shape:
+                    inner.data = local  # FSDP re-pointed the shard (lazy init): follow it
+            g = p.grad
+            if g is None:
+                inner.grad = None
+                continue
+            g = local_tensor(g)
+            if isinstance(g, QuantizedTensor):
+                materializing = True
+                inner.grad = torch.zeros_like(inner)
+            else:
+                # Same dtype: FSDP's gradient as it is, no copy.
+                inner.grad = g if g.dtype == inner.dtype else g.to(inner.dtype)
+        return materializing
+
+    @torch.no_grad()
+    def _materialize_state(self) -> None:
+        """Create the inner optimizer's state for every trainable tensor that has none (see the
+        note): one inner step with zero gradients, lr 0 and weight decay 0, then ``step`` counters
+        set back to 0. Values are unchanged."""
+        missing = {id(t): t for t in self._inner_of.values() if t.requires_grad and t not in self._inner.state}
+        if not missing:
+            return
+        self._sync_hyperparameters()
+        saved = [(g, k, g[k]) for g in self._inner.param_groups for k in ("lr", "weight_decay") if k in g]
+        for g, k, v in saved:
+            g[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
+        grads = {t: t.grad for t in self._inner_of.values()}
+        try:
+            for t in self._inner_of.values():
+                t.grad = torch.zeros_like(t) if id(t) in missing else None
+            self._inner.step()
+        finally:
+            for g, k, v in saved:
+                g[k] = v
+            for t, g in grads.items():
+                t.grad = g
+        self._generation += 1
+        for t in missing.values():
+            state = self._inner.state.get(t, {})
+            if "step" in state:
+                step = state["step"]
+                state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
+
+    def _scaling_key(self, p, key: str):
+        """``((fqn, usage), field)`` for a state key such as ``"rowwise_amax_history"``, else None."""
+        for usage in local_tensor(p).planes:
+            prefix = f"{usage}_"
+            if key.startswith(prefix) and (self._fqn[p], usage) in self.scaling_states:
+                field = key[len(prefix):]
+                if field in self.scaling_states[(self._fqn[p], usage)]:
+                    return (self._fqn[p], usage), field
+        return None
+
+    def _state_of(self, p) -> dict:
+        """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner
+        state's local tensors, made once per inner tensor and kept."""
+        out = {}
+        ref = self._masters.get(p, p)
+        if p in self._masters:
+            out[MASTER_KEY] = ref.detach()
+        for key, value in self._inner.state.get(self._inner_of[p], {}).items():
+            cached = self._views.get((id(p), key))
+            if cached is None or cached[0] is not value:
+                cached = self._views[(id(p), key)] = (value, _as_global(ref, value))
+            out[key] = cached[1]
+        if p in self._masters:
+            for usage in local_tensor(p).planes:
+                for field, value in self.scaling_states.get((self._fqn[p], usage), {}).items():
+                    out[f"{usage}_{field}"] = value
+        return out
+
+
+class _StateView(dict):
+    """``optimizer.state``: model parameter -> its state (see the note). A ``dict`` (what torch's
+    code expects), read from the inner optimizer after creating any state still missing, so a
+    fresh optimizer already shows the entries a checkpoint holds; re-read only when the inner state
+    may hold new tensors (after a step or a load). A parameter without state reads as ``{}``, as
+    torch's ``defaultdict`` does."""
+
+    def __init__(self, owner: MasterWeightOptimizer):
+        super().__init__()
+        self._owner = owner
+        self._seen = None
+
+    def _refresh(self) -> None:
+        owner = self._owner
+        owner._materialize_state()
+        if self._seen == owner._generation:
+            return
+        dict.clear(self)
+        for g in owner.param_groups:
+            for p in g["params"]:
+                state = owner._state_of(p)
+                if state:
+                    dict.__setitem__(self, p, state)
+        self._seen = owner._generation
+
+    def __getitem__(self, p):
+        self._refresh()
+        if dict.__contains__(self, p):
+            return dict.__getitem__(self, p)
+        if any(p is q for g in self._owner.param_groups for q in g["params"]):
+            return {}
+        raise KeyError("not a parameter of this optimizer")
+
+    def get(self, p, default=None):
+        self._refresh()
+        return dict.get(self, p, default)
+
+    def __iter__(self):
+        self._refresh()
+        return iter(list(dict.keys(self)))
+
+    def __len__(self):
+        self._refresh()
+        return dict.__len__(self)
+
+    def __contains__(self, p):
+        self._refresh()
+        return dict.__contains__(self, p)
+
+    def keys(self):
+        self._refresh()
+        return dict.keys(self)
+
+    def values(self):
+        self._refresh()
+        return dict.values(self)
+
+    def items(self):
+        self._refresh()
+        return dict.items(self)
+
+    def __bool__(self):
+        return len(self) > 0
+
+    def __setitem__(self, p, value):
+        raise TypeError("MasterWeightOptimizer.state is read-only: load state with load_state_dict()")
+
+
+def _param_groups(params) -> list[dict]:
+    """torch's forms of ``params`` (a module, tensors, or group dicts) as a list of group dicts."""
+    if isinstance(params, nn.Module):
+        return [{"params": list(params.parameters())}]
+    params = list(params)
+    if not params:
+        raise ValueError("MasterWeightOptimizer: got an empty parameter list")
+    if isinstance(params[0], dict):
+        return [{**g, "params": list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]}
+                for g in params]
+    return [{"params": params}]
+
+
+def _hp_inits(model: nn.Module) -> dict[str, tuple[dict, str]]:
+    """Where the high-precision init values ``quantize_module_`` kept are, by FQN in ``model`` (it
+    may have been called on a submodule, e.g. ``model.layers``): ``(the module's dict, its key)``,
+    so the optimizer can take each value out once it is used."""
+    out = {}
+    for prefix, module in model.named_modules():
+        kept = module.__dict__.get(HP_INIT_ATTR) or {}
+        for name in kept:
+            out[f"{prefix}.{name}" if prefix else name] = (kept, name)
+    return out
+
+
+def _fqns(model: nn.Module, groups: list[dict]) -> dict:
+    """Parameter -> its FQN in ``model``; a parameter that is not the model's is an error."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, name)
+    for g in groups:
+        for p in g["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"MasterWeightOptimizer: a parameter of shape {tuple(p.shape)} in the param groups is not a "
+                    "parameter of the model. Build the optimizer after fully_shard (which replaces the "
+                    "parameters) from model.parameters() / model.named_parameters().")
+    return names
+
+
+def _local_alias(p: torch.Tensor) -> torch.Tensor:
+    """What the inner optimizer steps for ``p``: ``p`` itself unless it is a DTensor, else a
+    parameter sharing the storage of its local shard."""
+    if not isinstance(p, DTensor):
+        return p
+    return nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
+
+
+def _as_global(ref: torch.Tensor, value):
+    """An inner-optimizer state tensor of ``ref``'s local shard as a DTensor laid out like ``ref``
+    (scalars such as Adam's ``step`` as they are)."""
+    if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+            and value.shape == ref._local_tensor.shape:
+        return like(ref, value)
+    return value
+
+
+def _localize(value: torch.Tensor, ref: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's part of a saved state tensor for parameter (or master) ``ref``: a DTensor's local
+    shard (redistributed to ``ref``'s layout if it differs), a full tensor sliced, a scalar as is."""
+    if not isinstance(ref, DTensor) or value.dim() == 0:
+        return value.to_local() if isinstance(value, DTensor) and value.dim() == 0 else value
+    if isinstance(value, DTensor):
+        if value.placements != ref.placements or value.device_mesh != ref.device_mesh:
+            value = value.redistribute(ref.device_mesh, ref.placements)
+        return value.to_local()
+    if tuple(value.shape) == tuple(ref.shape):
+        return local_slice(value, ref)
+    if tuple(value.shape) == tuple(ref._local_tensor.shape):
+        return value
+    raise ValueError(f"MasterWeightOptimizer.load_state_dict: {what} has shape {tuple(value.shape)}; expected the "
+                     f"parameter's {tuple(ref.shape)} (full) or its local shard {tuple(ref._local_tensor.shape)}")

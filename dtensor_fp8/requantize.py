@@ -1,0 +1,203 @@
+"""Requantizing FP8 parameters in place from high-precision values (an optimizer step's masters).
+
+[Note: requantizing sharded FP8 weights]
+After ``step()`` every FP8 parameter's local shard is requantized in place from its master
+shard, into every plane it stores. A scaling block that lies inside one shard needs nothing from
+other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
+needs the max over all shards: those amaxes of *all* weights are packed into one tensor and
+reduced with a single all-reduce, not one per weight. Delayed scaling records that global amax in
+its per-weight amax history and takes the next scale from TE's update rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .placement import local_tensor, shard_dim
+from .tensor import QuantizedTensor
+
+
+def _sharded_dims(p: torch.Tensor) -> set[int]:
+    """Tensor dims sharded over any mesh dim."""
+    if not isinstance(p, DTensor):
+        return set()
+    return {d for d in map(shard_dim, p.placements) if d is not None}
+
+
+def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``.
+
+    torch's own ``distribute_tensor`` with ``p``'s placements, each rank slicing its own copy
+    (``src_data_rank=None``: no communication). One (offset, length) window per dim cannot
+    describe FSDP's ``_StridedShard`` on a (dp, tp) mesh: a dp shard of a tp shard is a set of
+    interleaved row ranges of the full tensor, not one contiguous slice.
+    """
+    if not isinstance(p, DTensor):
+        return full
+    full = full.to(p.device_mesh.device_type)
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+@torch.no_grad()
+def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
+    """Requantize FP8 parameters in place from high-precision local shards.
+
+    Args:
+        items: ``(name, param, hp_local)``; ``param`` is a QuantizedTensor or a DTensor of one,
+            ``hp_local`` the high-precision values of this rank's shard.
+        scaling_states: per ``(name, usage)`` scaling state of stateful recipes (delayed
+            scaling's amax history), updated in place; ``None`` keeps their current scales.
+
+    Example:
+        >>> requantize_from_hp_([("w", model.w, master_shard)], opt.scaling_states)
+    """
+    plan = _RequantizePlan(items, scaling_states)
+    plan.run()
+    plan.finish()
+
+
+class _RequantizePlan:
+    """One requantization of a set of FP8 parameters, split into what it decides (here, Python
+    only), the device work (:meth:`run`: the only part a CUDA graph captures) and the Python-side
+    bookkeeping after it (:meth:`finish`)."""
+
+    def __init__(self, items, scaling_states: dict | None):
+        jobs, spanning = [], {}
+        for name, p, hp in items:
+            q = local_tensor(p)
+            sharded = _sharded_dims(p)
+            for usage in q._planes:
+                # Only blocks that span a sharded dim need their amax now (to reduce it); the recipe
+                # computes the others itself, fused into its quantization where it can.
+                if any(q.recipe.spans_dim(usage, d) for d in sharded):
+                    spanning.setdefault((q.recipe, usage), []).append(len(jobs))
+                jobs.append((name, q, hp, usage))
+        self.jobs, self.spanning = jobs, spanning
+        #: whether run() all-reduces amaxes (blocks spanning shards, more than one rank)
+        self.reduces = bool(spanning) and dist.is_initialized() and dist.get_world_size() > 1
+        # One batch per (recipe, plane) for all its tensors: per-tensor scales are computed together.
+        self.batches: dict = {}
+        for i, (name, q, hp, usage) in enumerate(jobs):
+            plane = q._planes[usage]
+            state = None
+            if scaling_states is not None:
+                state = scaling_states.get((name, usage))
+                if state is None:
+                    state = q.recipe.initial_scaling_state(plane)
+                    if state is not None:  # kept from now on and updated in place by run()
+                        scaling_states[(name, usage)] = state
+            self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
+        self.tensors = list(dict.fromkeys(q for _, q, _, _ in jobs))
+
+    def run(self) -> None:
+        """The device work: amaxes (all-reduced where blocks span shards), new FP8 bytes and scales
+        into the existing planes, new scaling states into the existing states."""
+        jobs, amaxes = self.jobs, [None] * len(self.jobs)
+        if self.spanning:
+            for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
+                for i, amax in zip(idx, recipe.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
+                    amaxes[i] = amax
+            if self.reduces:
+                # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks
+                # that replicate a shard contribute identical amaxes, so reducing over them is harmless.
+                order = [i for idx in self.spanning.values() for i in idx]
+                flat = torch.cat([amaxes[i].reshape(-1) for i in order])
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+                for i, part in zip(order, flat.split([amaxes[i].numel() for i in order])):
+                    amaxes[i] = part.reshape(amaxes[i].shape)
+        kept, fresh = [], []
+        for (recipe, usage), batch in self.batches.items():
+            idx, hps, planes, states = zip(*batch)
+            # In place: the FP8 bytes and scales keep their storage (FSDP's sharded parameters,
+            # TE views and checkpoint plans all refer to it).
+            new_states = recipe.requantize_planes_(usage, list(hps), list(planes), [amaxes[i] for i in idx], list(states))
+            for old, new in zip(states, new_states, strict=True):
+                if old is not None and new is not None and new is not old:
+                    kept += [old[k] for k in old]
+                    fresh += [new[k] for k in old]
+        if kept:  # the states keep their storage too (one batched copy)
+            torch._foreach_copy_(kept, fresh)
+
+    def finish(self) -> None:
+        for q in self.tensors:
+            q.discard_transpose_cache()
+
+
+def _fingerprint(items, scaling_states: dict | None) -> tuple:
+    """Identity and address of every tensor a requantization of ``items`` reads or writes: equal
+    fingerprints mean a graph captured for one is valid for the other."""
+    out = []
+    for name, p, hp in items:
+        q = local_tensor(p)
+        out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
+        for usage, plane in q._planes.items():
+            out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
+            state = scaling_states.get((name, usage)) if scaling_states is not None else None
+            if state is not None:
+                out += [t.data_ptr() for t in state.values()]
+    return tuple(out)
+
+
+class GraphedRequantize:
+    """Runs an optimizer step's requantization as a CUDA graph where it can.
+
+    [Note: the requantization as one CUDA graph]
+    After every optimizer step each FP8 weight is rewritten from its master: per weight an amax, a
+    scale update (a delayed-scaling history), a cast, scale stores. On the GPU these take little
+    time; issuing them from Python takes milliseconds per step, and a training step of FP8
+    weights under FSDP2 is bound by the host (docs/benchmarks.md). The work reads and writes the
+    same tensors every step (the masters, the planes and the scaling states are all updated in
+    place), so it is captured once into a CUDA graph and replayed: one launch per step.
+
+    The graph is valid while those tensors are: their identities and addresses
+    (:func:`_fingerprint`, checked every step) change when a weight, master, plane or state is
+    replaced (a checkpoint loaded with ``assign=True``, loaded scaling states), and the step then
+    runs eagerly once and captures again. Not captured: requantizations that all-reduce amaxes
+    (per-tensor recipes on more than one rank: a collective inside a graph is not what every
+    process group supports), CPU tensors, and the first step with new tensors (it creates the
+    scaling states and warms up the kernels). A capture that fails turns graphs off for this
+    optimizer, with the reason in :attr:`disabled_reason`; the step then runs eagerly.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.disabled_reason: str | None = None if enabled else "cuda_graph=False"
+        #: steps whose requantization was a graph replay
+        self.replays = 0
+        self._graph = self._plan = self._key = self._eager_key = None
+
+    def __call__(self, items, scaling_states: dict | None) -> None:
+        if self._graph is not None and _fingerprint(items, scaling_states) == self._key:
+            self._graph.replay()
+            self.replays += 1
+            self._plan.finish()
+            return
+        self._graph = self._plan = self._key = None
+        plan = _RequantizePlan(items, scaling_states)
+        key = _fingerprint(items, scaling_states) if self._capturable(plan) else None
+        if key is None or key != self._eager_key:  # not capturable, or new tensors: eagerly
+            self._eager_key = key
+            plan.run()
+            plan.finish()
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                plan.run()
+        except Exception as e:  # noqa: BLE001  (whatever failed to capture: eager from now on)
+            self.enabled = False
+            self.disabled_reason = f"capture failed: {type(e).__name__}: {e}".splitlines()[0][:300]
+            plan.run()
+            plan.finish()
+            return
+        self._graph, self._plan, self._key = graph, plan, key
+        graph.replay()  # capturing ran nothing: this is the step's requantization
+        self.replays += 1
+        plan.finish()
+
+    def _capturable(self, plan: _RequantizePlan) -> bool:
+        if not self.enabled or plan.reduces or not plan.jobs:
+            return False
+        return all(hp.is_cuda for _, _, hp, _ in plan.jobs) and not torch.cuda.is_current_stream_capturing()
