@@ -22,7 +22,8 @@ from .formats import (
     RecipeError,
 )
 from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
-from .checkpoint import export_hp_state_dict, latest_checkpoint, load_checkpoint, load_hp_state_dict, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .state_dict import export_hp_state_dict, load_hp_state_dict
 from .fsdp import gather_both_usages
 from .linear import quantized_linear
 from .optim import MasterWeightOptimizer

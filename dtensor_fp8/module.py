@@ -8,7 +8,7 @@ from torch import nn
 
 from .formats.base import Recipe, RecipeError
 from .quantize import quantize
-from .checkpoint import register_state_dict_hooks
+from .state_dict import register_state_dict_hooks
 from .tensor import QuantizedTensor
 
 #: ``module._dtensor_fp8_hp_init[fqn]``: the high-precision weight each FP8 parameter was quantized

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .placement import local_tensor, shard_dim
-from .tensor import QuantizedTensor
 
 
 def _sharded_dims(p: torch.Tensor) -> set[int]:

@@ -325,7 +325,7 @@ def quantize_te_module_(
         filter_fn: ``(te_module, param_name) -> bool``; only accepted weights are converted.
         keep_hp_init: keep a CPU copy of each high-precision init value for the master weights.
     """
-    from .checkpoint import register_state_dict_hooks
+    from .state_dict import register_state_dict_hooks
     from .module import HP_INIT_ATTR
 
     hp_init = getattr(module, HP_INIT_ATTR, {})

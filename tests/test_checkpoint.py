@@ -68,12 +68,16 @@ def _restore(model, opt, state: dict) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _save(root, recipe_name, mode, step=2, drop=None):
+def _save(root, recipe_name, mode, step=2, drop=None, recipe_as_repr=False):
     model, opt = _build(recipe_name, mode)
     _steps(model, opt, step, seed=0)
     state = _app_state(model, opt)
     if drop:  # a checkpoint written without one plane
         del state["model"]["0.weight"][drop]
+    if recipe_as_repr:  # what dtensor_fp8 wrote before versioned recipe configs
+        for entry in state["model"].values():
+            if isinstance(entry, dict):
+                entry["recipe"] = repr(RECIPES[recipe_name])
     d.save_checkpoint(state, root, step)
     return _full_planes(model, opt)
 
@@ -188,6 +192,16 @@ def test_recipe_mismatch_names_the_parameter(pools, tmp_path):
     pools[world].run(_save, root, "mxfp8", "reshard")
     msgs = pools[world].run(_load_expecting_error, root, "blockwise1d")
     assert all("0.weight" in m and "MXFP8" in m and "Blockwise" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "blockwise1d"])
+def test_checkpoint_with_recipes_as_repr_strings_loads_exactly(pools, tmp_path, recipe_name):
+    """Checkpoints of the format before versioned recipe configs stay loadable."""
+    root = str(tmp_path / "ckpt")
+    world = WORLD_SIZES[0]
+    expected = pools[world].run(_save, root, recipe_name, "reshard", 2, None, True)[0]
+    for planes, _, _ in pools[world].run(_load, root, recipe_name, "reshard"):
+        _assert_same(planes, expected)
 
 
 def test_missing_plane_names_the_parameter(pools, tmp_path):
@@ -427,3 +441,55 @@ def test_async_save_is_exact(pools, tmp_path, recipe_name):
     expected = pools[world].run(_async_save, root, recipe_name)[0]
     for planes in pools[world].run(_load_path, root, recipe_name):
         _assert_same(planes, expected)
+
+
+# ---- torch's full state dicts (one file, any world size) --------------------------------------------------
+def _save_full(path, recipe_name):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model, opt = _build(recipe_name, "reshard")
+    _steps(model, opt, 2, seed=0)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    if dist.get_rank() == 0:  # cpu_offload keeps the full tensors on rank 0 only
+        assert all(t.device.type == "cpu" and not hasattr(t, "placements")
+                   for t in _tensors({"model": model_sd, "optim": optim_sd}))
+        torch.save({"model": model_sd, "optim": optim_sd}, path)
+    dist.barrier()
+    return _full_planes(model, opt), _steps(model, opt, 2, seed=100)
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _load_full(path, recipe_name, mode):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model, opt = _build(recipe_name, mode, lr=7.0)
+    full = torch.load(path, weights_only=True)  # plain tensors, strings and numbers only
+    set_state_dict(model, opt, model_state_dict=full["model"], optim_state_dict=full["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+    return _full_planes(model, opt), _steps(model, opt, 2, seed=100)
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "delayed", "blockwise2d"])
+def test_full_state_dict_with_cpu_offload_reshards_exactly(pools, tmp_path, recipe_name):
+    """``StateDictOptions(full_state_dict=True, cpu_offload=True)``: one file on rank 0 holding full
+    FP8 planes, masters and optimizer state; loaded at 1 and 2 ranks, bytes and the training that
+    follows are identical."""
+    world = WORLD_SIZES[0]
+    path = str(tmp_path / "full.pt")
+    saved = pools[world].run(_save_full, path, recipe_name)
+    expected = saved[0][0]
+    for loaded_world, mode in ((1, "none"), (world, "reshard")):
+        for rank, (planes, resumed) in enumerate(pools[loaded_world].run(_load_full, path, recipe_name, mode)):
+            _assert_same(planes, expected)
+            if loaded_world == world:
+                assert resumed == saved[rank][1]  # each rank's batches, as the saving run went on
