@@ -92,9 +92,11 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
     # only once every entry has been read, so a failing load changes nothing.
     flat, mappings = flatten_state_dict(state_dict)
     blobs = _check_against_metadata(flat, path)
-    copies = {k: blobs[k] if k in blobs else _clone(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    # Plain values (a step counter, a scheduler's state, the optimizer's hyper-parameters) are
+    # restored too: DCP stores them as bytes entries, read here with ``weights_only``.
+    copies = {k: (blobs[k] if k in blobs else _clone(v)) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
     try:
-        dcp.load(copies, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+        dcp.load(copies, checkpoint_id=path, planner=_SafeLoadPlanner())
     except (Exception, CheckpointException) as err:  # name the entries that cannot be read
         bad = _unreadable_entries(flat, path, blobs)
         raise RuntimeError(
@@ -103,21 +105,23 @@ def load_checkpoint(state_dict: dict, path: str) -> None:
         ) from err
     with torch.no_grad():
         for key, value in copies.items():
-            if key in blobs:  # a module's opaque extra state: replaced, whatever its length was
+            if key in blobs or not isinstance(value, torch.Tensor):
+                # a module's opaque extra state (replaced, whatever its length was), or a plain value
                 set_element(state_dict, mappings[key], value)
             else:
                 flat[key].copy_(value)
 
 
-class _CaptureBytes(dcp.DefaultLoadPlanner):
-    """Keeps the non-tensor entries it reads (dcp.load does not write them back into plain dicts)."""
+class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner over a flat dict, reading bytes entries (plain values) with
+    ``weights_only=True``: DCP's own reads them with ``weights_only=False``, which runs whatever a
+    crafted entry pickles."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
-        self.captured = {}
 
     def load_bytes(self, read_item, value):
-        self.captured[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
 def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
@@ -139,16 +143,15 @@ def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
         if missing:
             raise RecipeError(f"checkpoint {path} has no FP8 entries for {[k.rsplit('.', 1)[0] for k in missing]} "
                               "(saved in high precision? use load_hp_state_dict)")
-        planner = _CaptureBytes()
-        dcp.load(loaded, checkpoint_id=path, planner=planner)
+        dcp.load(loaded, checkpoint_id=path, planner=_SafeLoadPlanner())
         for key, expected in recipes.items():  # configs of any format; compared as recipes
-            check_saved_recipe(key.rsplit(".", 1)[0], planner.captured.get(key), recipe_from_config(expected))
+            check_saved_recipe(key.rsplit(".", 1)[0], loaded[key], recipe_from_config(expected))
     for key, value in flat.items():
-        if not isinstance(value, torch.Tensor):
-            continue
         meta = saved.get(key)
         if meta is None:
             raise RecipeError(f"{key}: missing from checkpoint {path}")
+        if not isinstance(value, torch.Tensor):
+            continue
         if (_is_extra_state(key) and isinstance(meta, TensorStorageMetadata)
                 and not isinstance(value, DTensor)):
             blobs[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
