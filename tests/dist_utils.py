@@ -76,8 +76,14 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, backend
     dist.init_process_group(spec.process_group, rank=rank, world_size=world_size, store=store,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     clean = True
+    parent = os.getppid()
     while True:
-        item = tasks.get()
+        try:
+            item = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone (killed): do not linger
+                os._exit(1)
+            continue
         if item is None:
             break
         fn, args = item
