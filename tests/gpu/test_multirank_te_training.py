@@ -258,7 +258,9 @@ def test_dcp_save_world_2_load_world_1_and_4(gloo_cuda_pools, tmp_path, name):
     planes, extra, y = saved[0]
     assert planes and all(s[0].keys() == planes.keys() for s in saved)
     for s in saved[1:]:  # the replicated view of the model is the same on both ranks
-        assert all(torch.equal(s[0][k], planes[k]) for k in planes) and s[1] == extra
+        assert all(torch.equal(s[0][k], planes[k]) for k in planes) and s[1].keys() == extra.keys()
+        for key, blob in extra.items():
+            _assert_same_extra_state(s[1][key], blob, f"{name} saved, rank 1 vs rank 0: {key}")
     if name == "delayed":  # the stateful recipe: TE saved the GEMM modules' amax histories and scales
         gemm_modules = [k for k in extra if any(m in k for m in ("layernorm_qkv", "proj", "layernorm_mlp"))]
         assert len(gemm_modules) == 3, sorted(extra)
