@@ -67,3 +67,17 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def gloo_cuda_pools(pools):
+    """Rank pools with every rank on cuda:0 over gloo (tests/gpu/test_multirank_*.py), whatever
+    ``DTENSOR_FP8_TEST_BACKEND`` is; the suite's own pools when it is ``gloo-cuda``."""
+    from dist_utils import Pools
+
+    if pools.backend == "gloo-cuda":
+        yield pools
+        return
+    p = Pools("gloo-cuda")
+    yield p
+    p.close()

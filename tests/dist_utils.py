@@ -3,8 +3,16 @@
 Why not torch's ``MultiProcContinuousTest``: we want pytest parametrization over recipes and world
 sizes sharing one pool per world size across modules, fail-fast (a failing rank tears the pool down
 after a short grace period instead of leaving the others waiting for the group timeout), and the
-same runner over NCCL on a GPU (``DTENSOR_FP8_TEST_BACKEND=nccl``). Ranks are real processes with a
-real process group (gloo on CPU, NCCL on CUDA).
+same runner on a GPU. Ranks are real processes with a real process group; ``DTENSOR_FP8_TEST_BACKEND``
+picks it (see :data:`BACKENDS`):
+
+* ``gloo`` (default): CPU tensors;
+* ``nccl``: one GPU per rank (``cuda:<rank>``; NCCL refuses two ranks on one device);
+* ``gloo-cuda``: CUDA tensors, every rank on ``cuda:0``, over gloo (``"cpu:gloo,cuda:gloo"``) -- real
+  shards at world sizes 2 and 4 on a single GPU. A correctness harness, not a speed one: gloo stages
+  CUDA tensors through the host.
+
+``DTENSOR_FP8_TEST_WORLD_SIZES`` (default ``2,4``) lists the world sizes the suite runs.
 """
 
 from __future__ import annotations
@@ -17,34 +25,73 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+
+class RankBackend(NamedTuple):
+    """How the ranks of a pool talk and where their tensors live."""
+
+    process_group: str  # the ``backend`` argument of ``init_process_group``
+    device: str  # device type of the ranks' tensors and meshes
+    gpu_per_rank: bool  # rank r on cuda:r (else every rank on cuda:0)
+
+
+BACKENDS = {
+    "gloo": RankBackend("gloo", "cpu", False),
+    "nccl": RankBackend("nccl", "cuda", True),
+    # Several ranks share cuda:0: gloo moves CUDA tensors (through the host); a "cpu:gloo" half
+    # serves CPU tensors (DCP's object collectives, barriers).
+    "gloo-cuda": RankBackend("cpu:gloo,cuda:gloo", "cuda", False),
+}
+
+
+def backend_spec(name: str) -> RankBackend:
+    """The :class:`RankBackend` named by ``DTENSOR_FP8_TEST_BACKEND``, with a clear error otherwise."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"DTENSOR_FP8_TEST_BACKEND={name!r} is not a test backend; use one of "
+                         f"{sorted(BACKENDS)} (default gloo)") from None
+
+
 BACKEND = os.environ.get("DTENSOR_FP8_TEST_BACKEND", "gloo")
-DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
+#: device type of the distributed suite's tensors: build test inputs with ``device=DEVICE``
+DEVICE = backend_spec(BACKEND).device
 WORLD_SIZES = [int(w) for w in os.environ.get("DTENSOR_FP8_TEST_WORLD_SIZES", "2,4").split(",")]
 GROUP_TIMEOUT_S = 45
 GRACE_S = 3
 
 
-def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, store_path: str, tasks, results, backend: str) -> None:
     # Warnings that mean silent corruption in FSDP2 fail the test that triggers them.
     warnings.filterwarnings("error", message=".*was resized.*")
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
+    spec = backend_spec(backend)
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank if spec.gpu_per_rank else 0)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=store,
+    dist.init_process_group(spec.process_group, rank=rank, world_size=world_size, store=store,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     clean = True
+    parent = os.getppid()
     while True:
-        item = tasks.get()
+        try:
+            item = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone (killed): do not linger
+                os._exit(1)
+            continue
         if item is None:
             break
         fn, args = item
         try:
             torch.manual_seed(1234)
-            results.put((rank, "ok", fn(*args)))
+            # Pickled here, as the queue's feeder thread would: a result that cannot cross the process
+            # boundary (e.g. a tensor that requires grad) fails this task now instead of never arriving.
+            results.put((rank, "ok", bytes(ForkingPickler.dumps(fn(*args)))))
         except BaseException:  # noqa: BLE001  (sent back to the test)
             clean = False
             results.put((rank, "err", traceback.format_exc()))
@@ -54,10 +101,23 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
 
 
 class RankPool:
-    """``world_size`` processes in one process group; ``run(fn, *args)`` runs ``fn`` on every rank."""
+    """``world_size`` processes in one process group; ``run(fn, *args)`` runs ``fn`` on every rank.
 
-    def __init__(self, world_size: int):
+    Args:
+        world_size: number of ranks.
+        backend: a key of :data:`BACKENDS` (default: ``DTENSOR_FP8_TEST_BACKEND``).
+    """
+
+    def __init__(self, world_size: int, backend: str = BACKEND):
+        spec = backend_spec(backend)
+        if spec.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"test backend {backend!r} runs ranks on CUDA, and no CUDA device is visible")
+        if spec.gpu_per_rank and world_size > torch.cuda.device_count():
+            raise RuntimeError(f"test backend {backend!r} needs one GPU per rank: {world_size} ranks, "
+                               f"{torch.cuda.device_count()} GPU(s); use DTENSOR_FP8_TEST_BACKEND=gloo-cuda "
+                               "(several ranks on one GPU) or DTENSOR_FP8_TEST_WORLD_SIZES=1")
         self.world_size = world_size
+        self.backend = backend
         ctx = mp.get_context("spawn")
         fd, self._store = tempfile.mkstemp(prefix="dtensor_fp8_store_")
         os.close(fd)
@@ -65,7 +125,8 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, self._store, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, self._store, self._tasks[r], self._results, backend),
+                       daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -89,7 +150,10 @@ class RankPool:
                 rank, status, value = self._results.get(timeout=max(wait, 0.01))
             except queue.Empty:
                 break
-            (results if status == "ok" else errors)[rank] = value
+            if status == "ok":
+                results[rank] = ForkingPickler.loads(value)
+            else:
+                errors[rank] = value
         if errors or len(results) < self.world_size:
             self.close(kill=True)
             missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
@@ -121,7 +185,8 @@ class Pools:
 
     MAX_RUNS = 25
 
-    def __init__(self):
+    def __init__(self, backend: str = BACKEND):
+        self.backend = backend
         self._pools: dict[int, RankPool] = {}
 
     def __getitem__(self, world_size: int) -> RankPool:
@@ -129,7 +194,7 @@ class Pools:
         if pool is not None and pool.alive and pool.runs >= self.MAX_RUNS:
             pool.close()
         if pool is None or not pool.alive:
-            pool = self._pools[world_size] = RankPool(world_size)
+            pool = self._pools[world_size] = RankPool(world_size, self.backend)
         return pool
 
     def close(self):

@@ -210,7 +210,7 @@ def test_local_gemms_pick_the_plane_by_contraction_dim(recipe_name):
     w = _hp_model("mlp", alternating=True).w1.weight.detach()  # (HIDDEN, DIM)
     q = d.quantize(w, RECIPES[recipe_name])
     row, col = q.dequantize(torch.float32, "rowwise"), q.dequantize(torch.float32, "columnwise")
-    x, dy, bias = torch.randn(4, DIM), torch.randn(4, HIDDEN), torch.randn(HIDDEN)
+    x, dy, bias = (torch.randn(*shape, device=w.device) for shape in ((4, DIM), (4, HIDDEN), (HIDDEN,)))
     wt = q.t()
     assert isinstance(wt, d.QuantizedTransposeView) and wt.shape == (DIM, HIDDEN)
     assert torch.equal(torch.mm(x, wt), x @ row.t())  # forward y = x W^T: contracts K
@@ -226,9 +226,9 @@ def test_local_gemms_pick_the_plane_by_contraction_dim(recipe_name):
 def test_gemm_without_the_needed_plane_raises():
     """A GEMM that needs a plane the local tensor lacks raises instead of reading the other one."""
     w = d.quantize(_hp_model("mlp").w1.weight.detach(), d.MXFP8(), columnwise=False)
-    torch.mm(torch.randn(4, DIM), w.t())  # forward: rowwise, present
+    torch.mm(torch.randn(4, DIM, device=w.device), w.t())  # forward: rowwise, present
     with pytest.raises(d.RecipeError, match="not 'columnwise'"):
-        torch.mm(torch.randn(4, HIDDEN), w)  # dgrad: columnwise, absent
+        torch.mm(torch.randn(4, HIDDEN, device=w.device), w)  # dgrad: columnwise, absent
 
 
 # ---- training parity with 1-D FSDP ---------------------------------------------------------------------
