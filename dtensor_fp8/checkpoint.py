@@ -119,9 +119,16 @@ class _SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
+        self._target: dict = {}
+
+    def set_up_planner(self, state_dict, *args, **kwargs):
+        # Written into the dict we were given: ``self.state_dict`` may be a copy (torch 2.11 makes
+        # one when it flattens sharded tensors).
+        self._target = state_dict
+        super().set_up_planner(state_dict, *args, **kwargs)
 
     def load_bytes(self, read_item, value):
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        self._target[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
 def _check_against_metadata(flat: dict, path: str) -> dict[str, torch.Tensor]:
