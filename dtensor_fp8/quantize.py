@@ -27,7 +27,8 @@ def quantize(
         rowwise: produce the plane read by the forward GEMM.
         columnwise: produce the plane read by the backward GEMM (for per-tensor and 128x128
             blockwise this is the same stored plane; TE's transpose is built on demand).
-        scale: the per-tensor scale for delayed scaling (default 1.0, TE's initial scale).
+        scale: the per-tensor scale for delayed scaling (default: seeded from ``x``'s amax, see
+            ``DelayedScaling.scale_from_amax``; TE's own initial scale is 1.0).
 
     Returns:
         A :class:`QuantizedTensor` of ``x``'s shape and dtype.

@@ -95,9 +95,10 @@ class _PerTensor(Recipe):
 class DelayedScaling(_PerTensor):
     """Per-tensor delayed scaling: the scale comes from an amax history (TE ``DelayedScaling``).
 
-    ``quantize(x, DelayedScaling(), scale=s)`` quantizes with the given scale (default 1.0, TE's
-    initial scale); :meth:`update_amax_history` and :meth:`scale_from_history` implement TE's rule
-    for the next scale.
+    ``quantize(x, DelayedScaling(), scale=s)`` quantizes with the given scale; without one the
+    first scale is seeded from ``x``'s own amax (see the note in :meth:`scale_from_amax`; TE's own
+    initial scale is 1.0). :meth:`record_amax` and :meth:`update_scale` implement TE's rule for the
+    next scale.
 
     Args:
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
@@ -127,9 +128,17 @@ class DelayedScaling(_PerTensor):
         return "delayed"
 
     def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
-        # Delayed scaling never derives the scale of *this* cast from this tensor's amax: without
-        # an explicit scale it uses TE's initial scale, 1.0.
-        scale = torch.ones_like(amax, dtype=torch.float32)
+        # [Note: the first delayed scale]
+        # TE starts a delayed-scaling tensor at scale 1 and corrects it from the amax history after
+        # the first FP8 forward. A weight is quantized here once, when it becomes an FP8 parameter,
+        # and scale 1 would keep it in FP8's subnormal range or at zero until the first optimizer
+        # step (an init of std 0.002 loses 37 % of its weights to zero in E4M3). So the first
+        # quantization (no explicit scale) seeds the scale from the weight's own amax with TE's
+        # update rule, as if the history held that one amax: ``fp8_max * 2^-margin / amax`` (1 for
+        # a zero, infinite or NaN amax; an infinite quotient becomes FLT_MAX). ``scale=`` still
+        # quantizes with exactly the given scale, and later requantizations follow the history.
+        scale = self._update_scales(amax.float().reshape(1, 1), torch.ones(1, device=amax.device))[1]
+        scale = scale.reshape(amax.shape)
         return scale, reciprocal(scale)
 
     def initial_scaling_state(self, current):
