@@ -35,13 +35,23 @@ template to load a checkpoint into and a resumed run needs no extra call. For Ad
 (without dampening), RMSprop and Adagrad that state is exactly a fresh optimizer's (tested); an
 optimizer whose zero-gradient step is not a no-op on its state (e.g. NAdam's ``mu_product``) gets
 the state torch's own helpers would give it.
+
+[Note: non-finite gradients]
+A NaN or Inf gradient would turn every master it touches into NaN and, after requantization,
+every FP8 byte of those weights into 0x7F, for any recipe. ``step()`` therefore checks the
+gradients first (``nonfinite="raise"`` by default, or ``"skip"``): one max-norm per group of
+gradients, a flag all-reduced over the world so every rank decides alike, and one host read — the
+same synchronization torch's ``GradScaler`` makes every step; ``nonfinite="ignore"`` removes it.
+A master that is not finite cannot be loaded (``load_state_dict`` refuses it, naming it) either.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -51,6 +61,7 @@ from .requantize import GraphedRequantize, local_slice
 from .tensor import QuantizedTensor
 
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NONFINITE = ("raise", "skip", "ignore")
 #: state key of an FP8 parameter's master weight
 MASTER_KEY = "master"
 
@@ -81,6 +92,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             (default), ``torch.bfloat16`` or ``torch.float16``.
         cuda_graph: replay the requantization after each step as a CUDA graph where possible
             (see ``requantize.GraphedRequantize``); ``False`` issues it op by op every step.
+        nonfinite: what ``step()`` does when a gradient holds NaN or Inf (on any rank; see the
+            note on non-finite gradients): ``"raise"`` (default) a ``FloatingPointError`` naming the
+            parameters, with nothing changed; ``"skip"`` the step (a warning names them; weights,
+            masters and optimizer state unchanged; :attr:`skipped_steps` counts them); ``"ignore"``
+            no check (no host synchronization; NaN then spreads into the masters and FP8 weights).
         **defaults: hyper-parameters for ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Example:
@@ -94,7 +110,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type, params: Iterable | None = None, *,
-                 master_dtype: torch.dtype = torch.float32, cuda_graph: bool = True, **defaults: Any):
+                 master_dtype: torch.dtype = torch.float32, cuda_graph: bool = True, nonfinite: str = "raise",
+                 **defaults: Any):
         if master_dtype not in _MASTER_DTYPES:
             raise ValueError(f"MasterWeightOptimizer: master_dtype={master_dtype} is not a floating dtype for "
                              f"master weights; use one of {_MASTER_DTYPES} (torch.float32 unless memory is short)")
@@ -105,7 +122,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if optimizer_cls is torch.optim.LBFGS:
             raise TypeError("MasterWeightOptimizer: LBFGS re-evaluates the closure inside its step, which would "
                             "need the FP8 weights requantized between evaluations; use a first-order optimizer")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"MasterWeightOptimizer: nonfinite={nonfinite!r}; use one of {_NONFINITE}")
         self.master_dtype = master_dtype
+        self.nonfinite = nonfinite
+        #: steps not taken because a gradient was not finite (``nonfinite="skip"``)
+        self.skipped_steps = 0
         self.model = model
         groups = _param_groups(model if params is None else params)
         self._fqn = _fqns(model, groups)
@@ -183,6 +205,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._sync_hyperparameters()
         materializing = self._hand_over_gradients()
+        if self.nonfinite != "ignore" and not materializing and self._gradients_not_finite():
+            bad = self._nonfinite_parameters()
+            self._drop_inner_gradients()
+            what = (f"non-finite gradients (NaN or Inf) in {len(bad)} parameter(s): {', '.join(bad[:6])}"
+                    f"{' ...' if len(bad) > 6 else ''}")
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"MasterWeightOptimizer.step: {what}. The step was not taken: weights, masters and optimizer "
+                    "state are unchanged. Find the cause (a NaN loss, an overflow; lower the learning rate), or pass "
+                    "nonfinite='skip' to skip such steps.")
+            self.skipped_steps += 1
+            warnings.warn(f"MasterWeightOptimizer.step: {what}; step skipped ({self.skipped_steps} so far)", stacklevel=2)
+            return loss
         self._inner.step()
         self._drop_inner_gradients()
         self._generation += 1
@@ -244,6 +279,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 raise KeyError(f"MasterWeightOptimizer.load_state_dict: no {MASTER_KEY!r} for FP8 parameter "
                                f"{self._fqn_of(p)}; the state dict was not saved by a MasterWeightOptimizer over "
                                "this model (to start masters from high precision use dtensor_fp8.load_hp_state_dict)")
+            master = states.get(p, {}).get(MASTER_KEY)
+            if self.nonfinite != "ignore" and isinstance(master, torch.Tensor) and \
+                    not bool(torch.isfinite(local_tensor(master)).all()):
+                raise FloatingPointError(f"MasterWeightOptimizer.load_state_dict: the master of {self._fqn_of(p)} holds "
+                                         "NaN or Inf; load an earlier checkpoint (or pass nonfinite='ignore')")
         inner_state = {}
         inner_index = {inner: i for i, inner in enumerate(x for g in self._inner.param_groups for x in g["params"])}
         for p, saved in states.items():
@@ -302,6 +342,32 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             for key, value in outer.items():
                 if key != "params" and inner.get(key) is not value:
                     inner[key] = value
+
+    def _gradients_not_finite(self) -> bool:
+        """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
+        one all-reduce of a flag, one host read (what torch's GradScaler pays per step too)."""
+        grads = [t.grad for t in self._inner_of.values() if t.grad is not None]
+        if not grads:
+            flag = torch.zeros(1)
+        else:
+            # The inf-norm (max |g|) is NaN or Inf exactly when an element is; it cannot overflow.
+            norms = torch._foreach_norm(grads, float("inf"))
+            flag = (~torch.stack([n.float() for n in norms]).isfinite()).any().float().reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = flag.device if flag.device.type != "cpu" else _collective_device()
+            flag = flag.to(device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        return bool(flag.item())
+
+    def _nonfinite_parameters(self) -> list[str]:
+        """FQNs of the parameters whose gradient is not finite, on any rank (the error path only)."""
+        local = sorted(self._fqn[p] for p, t in self._inner_of.items()
+                       if t.grad is not None and not bool(torch.isfinite(t.grad).all()))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, local)
+            local = sorted({name for names in everyone for name in names})
+        return local
 
     def _drop_inner_gradients(self) -> None:
         """Drop the inner tensors' references to this step's gradients (the model's own gradients stay
@@ -458,6 +524,12 @@ class _StateView(dict):
 
     def __setitem__(self, p, value):
         raise TypeError("MasterWeightOptimizer.state is read-only: load state with load_state_dict()")
+
+
+def _collective_device() -> torch.device:
+    """The device a tensor of the default process group's collectives lives on."""
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
 
 
 def _param_groups(params) -> list[dict]:

@@ -284,3 +284,88 @@ def test_bad_arguments_name_the_fix():
     assert opt.inner.param_groups[-1]["lr"] == 0.5
     with pytest.raises(TypeError, match="read-only"):
         opt.state[net.fc1.bias] = {}
+
+
+# ---- non-finite gradients -------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe_name", list(d.RECIPES))
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_non_finite_gradient_raises_with_nothing_changed(recipe_name, bad):
+    """Identically for every recipe: the step is refused, naming the parameter, and weights,
+    masters and optimizer state stay as they were."""
+    net = _net(recipe=d.RECIPES[recipe_name])
+    opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2)
+    _train(net, opt, 2)
+    before, state = _snapshot(net, opt), copy.deepcopy(opt.state_dict())
+    net(_batch(5)).pow(2).mean().backward()
+    net.fc2.weight.grad[1, 2] = float(bad)
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients \(NaN or Inf\) in 1 parameter\(s\): fc2.weight"):
+        opt.step()
+    _assert_same(_snapshot(net, opt), before)
+    after = opt.state_dict()["state"]
+    for pid, s in state["state"].items():
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(after[pid][k]), torch.as_tensor(v)), (pid, k)
+
+
+def test_a_non_finite_loss_mid_run_is_skipped_when_asked():
+    net = _net()
+    opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2, nonfinite="skip")
+    _train(net, opt, 1)
+    before = _snapshot(net, opt)
+    (net(_batch(1)).pow(2).mean() * float("nan")).backward()  # a loss gone NaN
+    with pytest.warns(UserWarning, match="step skipped"):
+        opt.step()
+    opt.zero_grad()
+    assert opt.skipped_steps == 1
+    _assert_same(_snapshot(net, opt), before)
+    _train(net, opt, 1, start=2)  # training goes on from the same state
+    assert all(torch.isfinite(m).all() for m in opt.masters.values())
+
+
+def test_ignore_takes_no_check():
+    net = _net(recipe=d.RECIPES["current"])
+    opt = d.MasterWeightOptimizer(net, torch.optim.SGD, lr=0.1, nonfinite="ignore")
+    net(_batch(0)).pow(2).mean().backward()
+    net.fc1.weight.grad[0, 0] = float("nan")
+    opt.step()  # no error: the NaN reaches the master, as documented
+    assert torch.isnan(opt.masters["fc1.weight"]).any()
+    with pytest.raises(ValueError, match="nonfinite='often'"):
+        d.MasterWeightOptimizer(_net(), torch.optim.SGD, lr=0.1, nonfinite="often")
+
+
+def test_a_non_finite_master_is_not_loaded():
+    net = _net()
+    opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2)
+    state = copy.deepcopy(opt.state_dict())
+    pid = next(i for i, s in state["state"].items() if "master" in s)
+    state["state"][pid]["master"][0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="master of fc1.weight holds NaN or Inf"):
+        opt.load_state_dict(state)
+
+
+def _nan_on_one_rank(policy):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from dist_utils import DEVICE
+
+    net = _net(recipe=d.RECIPES["mxfp8"]).to(DEVICE)
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    fully_shard(net, mesh=mesh)
+    opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2, nonfinite=policy)
+    net(_batch(0).to(DEVICE)).pow(2).mean().backward()
+    if dist.get_rank() == 1:  # only this rank's shard of the gradient is bad
+        net.fc1.weight.grad.to_local()[0, 0] = float("nan")
+    try:
+        opt.step()
+    except FloatingPointError as err:
+        return str(err)
+    return f"stepped, skipped={opt.skipped_steps}"
+
+
+def test_a_nan_on_one_rank_stops_every_rank_alike(pools):
+    from dist_utils import WORLD_SIZES
+
+    msgs = pools[WORLD_SIZES[0]].run(_nan_on_one_rank, "raise")
+    assert len(set(msgs)) == 1 and "fc1.weight" in msgs[0], msgs
+    assert pools[WORLD_SIZES[0]].run(_nan_on_one_rank, "skip") == ["stepped, skipped=1"] * WORLD_SIZES[0]
