@@ -276,11 +276,12 @@ class TEUnshardedView:
     module's FP8 weight (see the note at the top). ``fsdp.py`` calls it; one instance,
     :data:`FSDP_TE_VIEW`, serves every module."""
 
-    def views_shard(self, shard: QuantizedTensor, usages: tuple[str, ...]) -> bool:
-        """Whether a one-rank gather of ``shard`` for ``usages`` can hand TE views of the shard
-        itself (no all-gather input, no copy): every rowwise TE buffer is a view of its planes."""
+    def views_shard(self, shard: QuantizedTensor) -> bool:
+        """Whether one-rank gathers of ``shard`` can hand TE views of the shard itself (no
+        all-gather input, no copy): every rowwise TE buffer is a view of its planes. The same
+        answer for both directions: FSDP sizes its all-gather outputs once per weight."""
         recipe = shard.recipe
-        return recipe.te_binding.views_planes(recipe, tuple(shard.shape), tuple(usages))
+        return recipe.te_binding.views_planes(recipe, tuple(shard.shape), (ROWWISE, COLUMNWISE))
 
     def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
         """The unsharded parameter of a one-rank gather: a TE tensor over ``shard``'s own planes.
