@@ -48,11 +48,11 @@ Transformer Engine is optional: it is imported on first use only (``formats/te_i
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.distributed.tensor import DTensor
 
 from .formats import RECIPES
 from .formats import te_import
@@ -164,8 +164,6 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
         >>> w_te._data.data_ptr() == q.plane("rowwise").data.data_ptr()
         True
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(q, DTensor):
         raise RecipeError("to_te_tensor takes a local QuantizedTensor; call .to_local() or full_tensor() first")
     if not isinstance(q, QuantizedTensor):
@@ -191,33 +189,51 @@ def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = No
     return t
 
 
+class _ShardPlan(NamedTuple):
+    """How a one-rank gather for one set of usages re-points the TE tensor (see ``from_shard``).
+
+    Attributes:
+        tensors: the shard's plane tensors it was made for (an optimizer step rewrites them in
+            place; a checkpoint load may replace them, and then the plan is made again).
+        assign: ``(attribute, value)`` written as they are: the TE buffers that are views of the
+            shard, ``None`` for the absent ones, stale flags.
+        build: ``(name, fn, keep)`` per TE buffer made again at every gather (``fn`` from
+            ``TEBinding.builder``; ``keep``: a padded scale to overwrite next time).
+        rowwise, columnwise: the quantizer's usages.
+    """
+
+    tensors: tuple
+    assign: tuple
+    build: tuple
+    rowwise: bool
+    columnwise: bool
+
+
 class _ViewState:
-    """What the FSDP hook keeps per unsharded TE tensor between gathers.
+    """What the FSDP hook keeps per unsharded TE tensor between gathers (on the TE tensor, as
+    :data:`_VIEW_STATE_ATTR`: FSDP hands the same object to every later gather).
 
     Attributes:
         kept: padded scale tensors by TE name, overwritten by later gathers (a forward gather
             sets only the rowwise ones, a backward gather only the columnwise ones).
-        key: ``(usages, shard plane tensors...)`` the cached assignments below were made for.
-        assign: ``(name, tensor or None)`` per TE buffer that is a view of the shard (or absent).
-        build: the TE buffers rebuilt at every gather (see the note at the top).
+        plans: one-rank gathers: a :class:`_ShardPlan` per usages (forward, backward).
     """
 
-    __slots__ = ("kept", "key", "assign", "build")
+    __slots__ = ("kept", "plans")
 
     def __init__(self):
         self.kept: dict[str, torch.Tensor] = {}
-        self.key: tuple = ()
-        self.assign: tuple = ()
-        self.build: tuple = ()
+        self.plans: dict[tuple, _ShardPlan] = {}
 
 
-_VIEW_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: Attribute of an unsharded TE tensor made by the FSDP hook: its :class:`_ViewState`.
+_VIEW_STATE_ATTR = "_dtensor_fp8_view_state"
 
 
 def _view_state(t) -> _ViewState:
-    state = _VIEW_STATES.get(t)
+    state = t.__dict__.get(_VIEW_STATE_ATTR)
     if state is None:
-        state = _VIEW_STATES[t] = _ViewState()
+        state = t.__dict__[_VIEW_STATE_ATTR] = _ViewState()
     return state
 
 
@@ -295,28 +311,43 @@ class TEUnshardedView:
         """
         recipe = shard.recipe
         planes = shard.planes
-        shape = tuple(shard.shape)
         if out is None:
+            shape = tuple(shard.shape)
             bufs = recipe.te_binding.layout(recipe, planes, shape, usages)
             return _new_te_tensor(recipe, bufs, shape, dtype, shard.device, usages, scale_inv=_scale_inv_of(planes)), ()
-        t = getattr(out, "_local_tensor", out)
+        t = out._local_tensor if isinstance(out, DTensor) else out  # DTensor under tensor parallelism
         state = _view_state(t)
-        tensors = tuple(x for p in planes.values() for x in (p.data, p.scale_inv))
-        key = state.key
-        if not key or key[0] != usages or len(key) != len(tensors) + 1 or any(a is not b for a, b in zip(key[1:], tensors)):
-            self._plan(state, recipe, planes, shape, usages, tensors)
-        for name, value in state.assign:
+        plan = state.plans.get(usages)
+        if plan is None or not self._plan_holds(plan, planes):
+            plan = state.plans[usages] = self._plan(recipe, planes, tuple(shard.shape), usages)
+        for name, value in plan.assign:
             setattr(t, name, value)
-        for buf in state.build:
-            value = TEBinding.make(buf, planes[buf.plane], shape, state.kept.get(buf.name))
-            setattr(t, buf.name, value)
-            if buf.part == SCALE_INV:
-                state.kept[buf.name] = value
-        _set_usage(t, recipe.te_binding, usages)
+        kept = state.kept
+        for name, build, keep in plan.build:
+            value = build(kept.get(name))
+            setattr(t, name, value)
+            if keep:
+                kept[name] = value
+        quantizer = t._quantizer
+        if quantizer is not None:
+            quantizer.set_usage(rowwise=plan.rowwise, columnwise=plan.columnwise)
         return None
 
     @staticmethod
-    def _plan(state: _ViewState, recipe: Recipe, planes: dict, shape, usages, tensors) -> None:
+    def _plan_holds(plan: _ShardPlan, planes: dict) -> bool:
+        """Whether ``plan`` was made for these very plane tensors."""
+        tensors = plan.tensors
+        if len(planes) * 2 != len(tensors):
+            return False
+        i = 0
+        for p in planes.values():
+            if p.data is not tensors[i] or p.scale_inv is not tensors[i + 1]:
+                return False
+            i += 2
+        return True
+
+    @staticmethod
+    def _plan(recipe: Recipe, planes: dict, shape, usages) -> _ShardPlan:
         """Which buffers of a one-rank gather are views of the shard (made once, here) and which
         are built per gather."""
         b = recipe.te_binding
@@ -328,8 +359,11 @@ class TEUnshardedView:
             elif b.is_view(buf, recipe, shape):
                 assign.append((buf.name, TEBinding.make(buf, planes[buf.plane], shape)))
             else:
-                build.append(buf)
-        state.key, state.assign, state.build = (tuple(usages), *tensors), tuple(assign), tuple(build)
+                build.append((buf.name, TEBinding.builder(buf, planes[buf.plane], shape), buf.part == SCALE_INV))
+            if buf.invalid_flag is not None:
+                assign.append((buf.invalid_flag, buf not in served))
+        tensors = tuple(x for p in planes.values() for x in (p.data, p.scale_inv))
+        return _ShardPlan(tensors, tuple(assign), tuple(build), ROWWISE in usages, COLUMNWISE in usages)
 
     def __call__(self, planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
                  usages: tuple[str, ...], out, orig_rows: int):

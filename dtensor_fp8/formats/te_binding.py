@@ -129,19 +129,34 @@ class TEBinding:
     @staticmethod
     def make(b: TEBuffer, plane: Plane, shape, reuse: torch.Tensor | None = None) -> torch.Tensor:
         """One TE buffer from our plane (a view where TE's layout is ours, else built)."""
+        return TEBinding.builder(b, plane, shape)(reuse)
+
+    @staticmethod
+    def builder(b: TEBuffer, plane: Plane, shape):
+        """``fn(reuse=None) -> tensor`` making buffer ``b`` from ``plane``: the views of the plane
+        it starts from are made once, here, so a caller that builds the same buffer at every
+        FSDP gather (``te.py``) pays only for the copy itself."""
         if b.part == DATA:
-            return te_data(plane.data, shape, transposed=b.transposed)
+            if not b.transposed:
+                view = te_data(plane.data, shape, transposed=False)
+                return lambda reuse=None: view
+            u8 = plane.data.view(torch.uint8)
+            if len(shape) == 2:
+                return lambda reuse=None: transpose_2d(u8)
+            return lambda reuse=None: transpose_2d(u8).reshape(shape[-1], *shape[:-1])
         s = plane.scale_inv
         if s.dtype.itemsize == 1:  # E8M0 scales: TE stores bytes
             s = s.view(torch.uint8)
         if b.flat:
-            return s.reshape(1)
+            flat = s.reshape(1)
+            return lambda reuse=None: flat
         if b.transposed:
             s = s.t()
         rows, cols = round_up(s.shape[0], b.pad[0]), round_up(s.shape[1], b.pad[1])
         if (rows, cols) == tuple(s.shape) and not b.transposed:
-            return dense(s)  # TE's shape is the grid: share it
-        return pad_2d(s, rows, cols, reuse)
+            shared = dense(s)  # TE's shape is the grid: share it
+            return lambda reuse=None: shared
+        return lambda reuse=None: pad_2d(s, rows, cols, reuse)
 
     def is_view(self, b: TEBuffer, recipe, shape) -> bool:
         """Whether :meth:`make` returns a view of the plane (no copy) for a weight of ``shape``."""
