@@ -297,7 +297,11 @@ class TEUnshardedView:
         all-gather input, no copy): every rowwise TE buffer is a view of its planes. The same
         answer for both directions: FSDP sizes its all-gather outputs once per weight."""
         recipe = shard.recipe
-        return recipe.te_binding.views_planes(recipe, tuple(shard.shape), (ROWWISE, COLUMNWISE))
+        # FSDP2 un-pads the first unsharded parameter with ``as_strided(..., storage_offset=0)``,
+        # which TE applies to its data buffers: they must start their storage (FSDP's own copy of
+        # a shard always does; a view into a larger tensor would not).
+        starts = all(t.storage_offset() == 0 for p in shard.planes.values() for t in (p.data, p.scale_inv))
+        return starts and recipe.te_binding.views_planes(recipe, tuple(shard.shape), (ROWWISE, COLUMNWISE))
 
     def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
         """The unsharded parameter of a one-rank gather: a TE tensor over ``shard``'s own planes.
