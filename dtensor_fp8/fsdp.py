@@ -21,6 +21,9 @@ output ... was resized") and corrupts the data. Forward (rowwise) and backward
 (columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
 padded to a per-recipe slot size that fits either direction's local scale grid.
 
+For the weights of TE modules on a one-rank mesh, where every TE buffer of the direction can be
+a view of the shard, nothing is sent at all: the unsharded parameter views the shard (``te.py``).
+
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after the backward gather (the "transpose cache") and
 dropped after use, so it never outlives the unsharded parameter.
@@ -178,6 +181,7 @@ class _GatherMetadata(NamedTuple):
     orig_rows: int  # rows of the unpadded full weight
     cols: int  # columns of the weight (shards split rows only)
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
+    shard_view: bool = False  # one rank, TE module: nothing sent, the TE tensor views the shard (te.py)
 
 
 class _GatherPlan(NamedTuple):
@@ -191,6 +195,7 @@ class _GatherPlan(NamedTuple):
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
     te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
+    shard_view: bool  # one rank and the TE hook views the shard itself (te.py ``views_shard``)
 
 
 def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
@@ -210,8 +215,18 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
     # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
     te_view = vars(module).get(TE_VIEW_ATTR) if module is not None else None
     fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.recipe.fp8_dtype for u in stored)
+    shard_view = world == 1 and te_view is not None and te_view.views_shard(q)  # same for both directions
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
-                       _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes)
+                       _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes, shard_view)
+
+
+def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
+    """One rank, a TE module's weight that TE can read in place (``_GatherPlan.shard_view``):
+    FSDP gets an empty all-gather input (it copies nothing) and the post-all-gather hook hands
+    out a TE tensor viewing the shard's own planes (te.py, ``TEUnshardedView.from_shard``)."""
+    empty = torch.empty(0, dtype=torch.uint8, device=q.device)
+    return (empty,), _GatherMetadata(usages, (), {}, plan.padded_rows, 1, None, plan.te_view, outer_size[0],
+                                     outer_size[1], (), True)
 
 
 def _param_group_of(q: QuantizedTensor, mesh, module):
@@ -238,12 +253,14 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     if entry is None:
         # [plan, the last (inputs, metadata) if they can be handed out again, the planes they view]
         entry = plans[key] = [_gather_plan(self, key[1], mesh.size(), usages, module), None, None]
+        if entry[0].shard_view:  # the same (empty) input every time
+            entry[1], entry[2] = _shard_view_gather(self, entry[0], usages, key[1]), ()
     plan, last, last_planes = entry
     if last is not None and all(self._planes.get(u) is pl for u, pl in last_planes):
         # The same plane objects as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return last
-    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes = plan
+    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes, _ = plan
     local = self
     if pad_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, pad_rows])
@@ -318,7 +335,9 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes = metadata
+    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, shard_view = metadata
+    if shard_view:  # one rank, TE module: the unsharded parameter views this shard (te.py)
+        return te_view.from_shard(self, usages, param_dtype, out)
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.

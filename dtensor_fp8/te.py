@@ -3,12 +3,14 @@
 [Note: what is shared and what is built at the TE boundary]
 :func:`to_te_tensor` wraps a :class:`QuantizedTensor` in TE's own class (``Float8Tensor`` for the
 per-tensor recipes, ``Float8BlockwiseQTensor`` for blockwise, ``MXFP8Tensor``) so TE's GEMMs read
-it. FP8 data whose layout agrees with TE's is shared, not copied: the rowwise plane (per-tensor
-``_data``, blockwise / MXFP8 ``_rowwise_data``), MXFP8's columnwise plane (TE stores it ``(M, K)``
-like we do) and the per-tensor ``_scale_inv``. What TE lays out differently is built here:
-the padded (and for 1x128 blockwise, transposed) scale tensors — a few KB — and the transposed
-``(K, M)`` columnwise data (per-tensor ``_transpose``, blockwise ``_columnwise_data``): for
-per-tensor and 128x128 blockwise that copy *is* the transpose cache of ``tensor.py``.
+it. Which class, which buffers, which quantizer: each recipe declares it once, as its
+``te_binding`` (``formats/te_binding.py``); this module reads that declaration and never asks
+which recipe it holds. FP8 data whose layout agrees with TE's is shared, not copied (the rowwise
+plane, MXFP8's columnwise plane, the per-tensor ``_scale_inv``, and block scales whose grid needs no
+padding); what TE lays out differently is built here: padded (and for 1x128 blockwise, transposed)
+scale tensors — a few KB — and the transposed ``(K, M)`` columnwise data (per-tensor
+``_transpose``, blockwise ``_columnwise_data``): for per-tensor and 128x128 blockwise that copy
+*is* the transpose cache of ``tensor.py``.
 
 :func:`from_te_tensor` is the inverse (TE tensor -> QuantizedTensor, FP8 bytes shared where the
 layouts agree), and :func:`quantize_te_module_` turns the weights of TE modules (``te.Linear``,
@@ -16,158 +18,134 @@ layouts agree), and :func:`quantize_te_module_` turns the weights of TE modules 
 parameters — from high precision, or from TE FP8 parameters made by ``te.quantized_model_init``
 (masters from ``get_high_precision_init_val()`` when TE kept them).
 
+[Note: TE tensors as FSDP2's unsharded parameters]
 Under ``fully_shard`` the FSDP2 extension of ``fsdp.py`` gathers our planes (rowwise for forward,
-columnwise for backward) and, for parameters of modules marked by :func:`quantize_te_module_`, hands
-FSDP a TE tensor built by :func:`to_te_tensor` on the gathered buffers as the unsharded parameter
-(later gathers update that object's buffers in place, as TE's own ``fsdp_post_all_gather`` does).
+columnwise for backward) and, for parameters of modules marked by :func:`quantize_te_module_`,
+asks :data:`FSDP_TE_VIEW` for the unsharded parameter: a TE tensor over the gathered buffers.
 TE's modules take an already-quantized weight as is (``quantize_weight`` skips the cast), so their
 forward GEMM reads what the forward gather delivered and their dgrad GEMM what the backward gather
 delivered; TE drops the columnwise buffers after the dgrad GEMM (``clear_columnwise_cache``).
+FSDP2 builds the unsharded parameter at the first gather and hands the same object to every
+later one (``out=``), whose buffers are re-pointed in place, as TE's own ``fsdp_post_all_gather``
+does. Per gather that is a handful of attribute writes (TE's hook: the same, 16 weights in
+0.35 ms of host time per step on the H200), so the work per gather is kept to:
 
-Transformer Engine is optional: it is imported inside the functions of this module only.
+* one rank (``views_shard``): the "gather" would be a copy of the shard. When every rowwise TE
+  buffer is a view of the shard's planes (the binding's ``views_planes``: per-tensor recipes
+  always; 128x128 blockwise and MXFP8 where the scale grid needs no padding), FSDP is handed an
+  empty all-gather input (it copies nothing) and the TE tensor views the shard itself: its
+  views are made once and re-set per gather; only the columnwise buffers TE drops after use (the
+  transposes, padded columnwise scales) are built per backward gather, as TE's hook builds them.
+  The unsharded weight and the shard are then the same bytes and scales, so they always pair;
+  unlike a copy, the weight follows an optimizer step that runs while it is unsharded
+  (``set_reshard_after_backward(False)``), columnwise buffers are rebuilt at the next gather.
+* several ranks: the buffers are made from the gathered planes at every gather (views of FSDP's
+  output buffers; padded scales overwritten in place, not reallocated).
+
+Transformer Engine is optional: it is imported on first use only (``formats/te_import.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
+import dataclasses
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from .formats import RECIPES
+from .formats import te_import
 from .formats.base import COLUMNWISE, ROWWISE, Recipe, RecipeError, as_matrix_shape
-from .formats.blockwise import Blockwise
-from .formats.mxfp8 import MXFP8
-from .formats.per_tensor import CurrentScaling, DelayedScaling, _PerTensor
+from .formats.te_binding import SCALE_INV, TEBinding, te_quantizer, te_recipe_for
 from .tensor import QuantizedTensor
 
+__all__ = [
+    "FSDP_TE_VIEW", "TE_VIEW_ATTR", "from_te_tensor", "quantize_te_module_", "recipe_from_te", "te_buffers",
+    "te_quantizer", "te_recipe_for", "to_te_tensor", "update_te_tensor_",
+]
+
 #: Module attribute set by :func:`quantize_te_module_`: the FSDP2 all-gather of this module's FP8
-#: parameters returns TE tensors (see ``fsdp.py``). Its value is the function FSDP's hook calls.
+#: parameters returns TE tensors (see ``fsdp.py``). Its value is :data:`FSDP_TE_VIEW`.
 TE_VIEW_ATTR = "_dtensor_fp8_te_view"
 
-_BUFFERS = {
-    "Float8Tensor": ("_data", "_transpose", "_scale_inv"),
-    "Float8BlockwiseQTensor": ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv"),
-    "MXFP8Tensor": ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv"),
-}
 
-
-def _te():
-    """Lazy TE imports (TE is optional; nothing here runs at ``import dtensor_fp8``)."""
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
-    from transformer_engine.pytorch.tensor.float8_tensor import (
-        Float8CurrentScalingQuantizer,
-        Float8Quantizer,
-        Float8Tensor,
-    )
-    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
-
-    return {
-        "tex": tex, "Float8Tensor": Float8Tensor, "Float8BlockwiseQTensor": Float8BlockwiseQTensor,
-        "MXFP8Tensor": MXFP8Tensor, "Float8Quantizer": Float8Quantizer,
-        "Float8CurrentScalingQuantizer": Float8CurrentScalingQuantizer,
-        "Float8BlockQuantizer": Float8BlockQuantizer, "MXFP8Quantizer": MXFP8Quantizer,
-    }
-
-
-def _tex_dtype(fp8_dtype: torch.dtype):
-    tex = _te()["tex"]
-    return {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}[fp8_dtype]
-
-
-def _torch_fp8_dtype(te_dtype) -> torch.dtype:
-    tex = _te()["tex"]
-    table = {int(tex.DType.kFloat8E4M3): torch.float8_e4m3fn, int(tex.DType.kFloat8E5M2): torch.float8_e5m2}
-    try:
-        return table[int(te_dtype)]
-    except (KeyError, TypeError, ValueError):
-        raise RecipeError(f"TE dtype {te_dtype!r} is not an FP8 dtype dtensor_fp8 stores") from None
-
-
-# ---- quantizers --------------------------------------------------------------------------------------
-def te_quantizer(recipe: Recipe, *, rowwise: bool = True, columnwise: bool = True, device=None,
-                 scale_inv: torch.Tensor | None = None):
-    """The TE quantizer that makes what ``recipe`` makes (bit-exact; see tests/gpu/test_te_parity.py).
+# ---- TE -> our recipe ---------------------------------------------------------------------------------
+def recipe_from_te(t) -> Recipe:
+    """Our recipe for a TE tensor: the one whose declared TE binding has ``t``'s class, quantizer
+    class and flags, with the quantizer's arguments (TE's defaults where ``t`` has no quantizer;
+    a ``Float8Tensor`` without one reads as delayed scaling).
 
     Args:
-        recipe: our recipe object.
-        rowwise, columnwise: the quantizer's usages.
-        device: device of the quantizer's state (per-tensor recipes).
-        scale_inv: delayed scaling: the scale_inv of the tensor (the quantizer holds ``1/scale_inv``).
+        t: a TE ``Float8Tensor`` / ``Float8BlockwiseQTensor`` / ``MXFP8Tensor`` (or storage).
+
+    Example:
+        >>> recipe_from_te(te_linear.weight)  # CurrentScaling(fp8_dtype=torch.float8_e4m3fn, ...)
     """
-    m = _te()
-    if isinstance(recipe, DelayedScaling):
-        dev = device if device is not None else (scale_inv.device if scale_inv is not None else "cuda")
-        scale = (torch.reciprocal(scale_inv.float().reshape(1)) if scale_inv is not None
-                 else torch.ones(1, dtype=torch.float32, device=dev))
-        return m["Float8Quantizer"](scale, torch.zeros(1, dtype=torch.float32, device=scale.device),
-                                    _tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
-    if isinstance(recipe, CurrentScaling):
-        return m["Float8CurrentScalingQuantizer"](
-            _tex_dtype(recipe.fp8_dtype), device if device is not None else "cuda", rowwise=rowwise, columnwise=columnwise,
-            force_pow_2_scales=recipe.force_pow_2_scales, amax_epsilon=recipe.amax_epsilon,
-        )
-    if isinstance(recipe, Blockwise):
-        return m["Float8BlockQuantizer"](
-            _tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise, amax_epsilon=recipe.amax_epsilon,
-            force_pow_2_scales=recipe.force_pow_2_scales, block_scaling_dim=recipe.block_dims,
-        )
-    if isinstance(recipe, MXFP8):
-        return m["MXFP8Quantizer"](_tex_dtype(recipe.fp8_dtype), rowwise=rowwise, columnwise=columnwise)
-    raise RecipeError(f"no TE quantizer for recipe {recipe!r}")
-
-
-def recipe_from_te(t) -> Recipe:
-    """Our recipe for a TE tensor (from its quantizer where it has one, else from its class)."""
-    m = _te()
+    fp8 = te_import.torch_fp8_dtype(getattr(t, "_fp8_dtype", None))
+    if fp8 is None:
+        raise RecipeError(f"from_te_tensor: TE dtype {getattr(t, '_fp8_dtype', None)!r} of a {type(t).__name__} "
+                          "is not an FP8 dtype dtensor_fp8 stores")
     quantizer = getattr(t, "_quantizer", None)
-    fp8 = _torch_fp8_dtype(t._fp8_dtype)
-    if isinstance(quantizer, m["Float8CurrentScalingQuantizer"]):
-        return CurrentScaling(fp8_dtype=fp8, force_pow_2_scales=bool(quantizer.force_pow_2_scales),
-                              amax_epsilon=float(quantizer.amax_epsilon))
-    if isinstance(t, m["Float8Tensor"]):
-        return DelayedScaling(fp8_dtype=fp8)
-    if isinstance(t, m["Float8BlockwiseQTensor"]):
-        dims = 2 if t._is_2D_scaled else 1
-        if quantizer is not None:
-            return Blockwise(block_dims=dims, fp8_dtype=fp8, force_pow_2_scales=bool(quantizer.force_pow_2_scales),
-                             amax_epsilon=float(quantizer.amax_epsilon))
-        return Blockwise(block_dims=dims, fp8_dtype=fp8)
-    if isinstance(t, m["MXFP8Tensor"]):
-        if getattr(t, "_with_gemm_swizzled_scales", False):
-            raise RecipeError("MXFP8Tensor with GEMM-swizzled scales: convert before TE swizzles them")
-        return MXFP8(fp8_dtype=fp8)
-    raise RecipeError(f"from_te_tensor: unsupported TE tensor class {type(t).__name__}")
+    classes = {c.__name__ for c in type(t).__mro__}
+    seen = []
+    for default in RECIPES.values():
+        b = default.te_binding
+        if b.tensor_class not in classes and b.storage_class not in classes:
+            continue
+        if quantizer is not None and type(quantizer).__name__ != b.quantizer_class:
+            continue
+        flags = {arg: getattr(t, "_" + arg, value) for arg, value in b.tensor_flags}
+        if flags != dict(b.tensor_flags):
+            seen.append(f"{default.name} needs {dict(b.tensor_flags)}, the tensor has {flags}")
+            continue
+        fields = ({field: type(getattr(default, field))(getattr(quantizer, te_name))
+                   for te_name, field in b.quantizer_fields} if quantizer is not None else {})
+        return dataclasses.replace(default, fp8_dtype=fp8, **fields)
+    raise RecipeError(
+        f"from_te_tensor: no dtensor_fp8 recipe reads a TE {type(t).__name__} with quantizer "
+        f"{type(quantizer).__name__}" + (f" ({'; '.join(seen)})" if seen else "")
+        + ". Convert the weight before TE changes its layout (e.g. GEMM-swizzled MXFP8 scales), or quantize "
+          "its high-precision values with one of dtensor_fp8.RECIPES")
 
 
 # ---- QuantizedTensor -> TE ---------------------------------------------------------------------------
 def te_buffers(q: QuantizedTensor, usages: tuple[str, ...] | None = None) -> dict[str, torch.Tensor | None]:
-    """TE's attribute names -> tensors for ``q`` (``None`` for a usage not served). Rowwise data
-    (and MXFP8 columnwise data, and the per-tensor scale_inv) are views of ``q``'s planes; for
-    per-tensor recipes a transpose cache already built on ``q`` is reused."""
+    """TE's attribute names -> tensors for ``q`` (``None`` for a usage not served).
+
+    Data TE lays out as we do are views of ``q``'s planes; a transpose cache already built on
+    ``q`` is reused for TE's transposed data.
+
+    Args:
+        q: a local quantized tensor.
+        usages: the usages to serve (default ``q.usages``).
+
+    Example:
+        >>> te_buffers(dtensor_fp8.quantize(w, dtensor_fp8.CurrentScaling()))["_transpose"].shape  # (K, M)
+    """
     usages = tuple(q.usages if usages is None else usages)
-    return _te_buffers(q.recipe, q._planes, tuple(q.shape), usages, q._transpose)
+    b = q.recipe.te_binding
+    layout = b.layout(q.recipe, q.planes, tuple(q.shape), usages, transposed_data=q.transpose_cache)
+    return {n: layout.get(n) for n in b.names}
 
 
-def _te_buffers(recipe: Recipe, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None,
-                reuse: dict | None = None) -> dict[str, torch.Tensor | None]:
-    """:func:`te_buffers` from the parts of a QuantizedTensor (``reuse``: see ``Recipe.te_layout``)."""
-    per_tensor = _is_per_tensor(type(recipe))
-    if per_tensor and transpose is not None and COLUMNWISE in usages:
-        layout = recipe.te_layout(planes, shape, tuple(u for u in usages if u != COLUMNWISE), reuse)
-        layout["_transpose"] = transpose.view(torch.uint8).reshape(shape[-1], *shape[:-1])
-    else:
-        layout = recipe.te_layout(planes, shape, usages, reuse)
-    names = _BUFFERS["Float8Tensor"] if per_tensor else _BUFFERS["Float8BlockwiseQTensor"]
-    return {n: layout.get(n) for n in names}
+def _new_te_tensor(recipe: Recipe, bufs: dict, shape, dtype, device, usages, quantizer=None, scale_inv=None,
+                   requires_grad=False):
+    """TE's tensor of ``recipe``'s binding over ``bufs`` (TE names -> tensors)."""
+    b = recipe.te_binding
+    if quantizer is None:
+        quantizer = te_quantizer(recipe, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages, device=device,
+                                 scale_inv=scale_inv)
+    cls = getattr(te_import.require("to_te_tensor"), b.tensor_class)
+    return cls(shape=shape, dtype=dtype, requires_grad=requires_grad, device=device,
+               fp8_dtype=te_import.te_dtype(recipe.fp8_dtype), quantizer=quantizer,
+               **{buf.arg: bufs.get(buf.name) for buf in b.buffers}, **dict(b.tensor_flags))
 
 
-@functools.cache
-def _is_per_tensor(recipe_type: type) -> bool:
-    """``issubclass(recipe_type, _PerTensor)``, memoized: FSDP's hook asks at every gather, and an
-    ABC subclass check is not free."""
-    return issubclass(recipe_type, _PerTensor)
+def _scale_inv_of(planes: dict) -> torch.Tensor | None:
+    """The scale_inv a per-tensor quantizer holds the reciprocal of (the rowwise plane's)."""
+    plane = planes.get(ROWWISE)
+    return plane.scale_inv if plane is not None else None
 
 
 def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, quantizer=None,
@@ -186,8 +164,6 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
         >>> w_te._data.data_ptr() == q.plane("rowwise").data.data_ptr()
         True
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(q, DTensor):
         raise RecipeError("to_te_tensor takes a local QuantizedTensor; call .to_local() or full_tensor() first")
     if not isinstance(q, QuantizedTensor):
@@ -195,58 +171,94 @@ def to_te_tensor(q: QuantizedTensor, *, usages: tuple[str, ...] | None = None, q
     usages = tuple(q.usages if usages is None else usages)
     for u in usages:
         q.plane(u)  # raises for a usage q does not hold
-    m = _te()
-    recipe = q.recipe
-    bufs = te_buffers(q, usages)
-    shape = tuple(q.shape)
-    if quantizer is None:
-        quantizer = te_quantizer(recipe, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages,
-                                 device=q.device, scale_inv=q._planes[ROWWISE].scale_inv if isinstance(recipe, DelayedScaling) else None)
-    common = dict(shape=shape, dtype=q.dtype, requires_grad=requires_grad, device=q.device,
-                  fp8_dtype=_tex_dtype(recipe.fp8_dtype), quantizer=quantizer)
-    if isinstance(recipe, _PerTensor):
-        return m["Float8Tensor"](data=bufs["_data"], fp8_scale_inv=bufs["_scale_inv"],
-                                 data_transpose=bufs["_transpose"], **common)
-    if isinstance(recipe, Blockwise):
-        return m["Float8BlockwiseQTensor"](
-            rowwise_data=bufs["_rowwise_data"], rowwise_scale_inv=bufs["_rowwise_scale_inv"],
-            columnwise_data=bufs["_columnwise_data"], columnwise_scale_inv=bufs["_columnwise_scale_inv"],
-            is_2D_scaled=recipe.block_dims == 2, **common,
-        )
-    if isinstance(recipe, MXFP8):
-        return m["MXFP8Tensor"](
-            rowwise_data=bufs["_rowwise_data"], rowwise_scale_inv=bufs["_rowwise_scale_inv"],
-            columnwise_data=bufs["_columnwise_data"], columnwise_scale_inv=bufs["_columnwise_scale_inv"],
-            with_gemm_swizzled_scales=False, **common,
-        )
-    raise RecipeError(f"to_te_tensor: no TE tensor class for recipe {recipe!r}")
+    planes = q.planes
+    return _new_te_tensor(q.recipe, te_buffers(q, usages), tuple(q.shape), q.dtype, q.device, usages, quantizer,
+                          _scale_inv_of(planes), requires_grad)
 
 
 def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = None):
-    """Point an existing TE tensor at ``q``'s buffers (FSDP's ``out=`` gathers); returns ``t``."""
+    """Point an existing TE tensor at ``q``'s buffers (FSDP's ``out=`` gathers); returns ``t``.
+
+    Args:
+        t: a TE tensor of ``q.recipe``'s TE class and ``q``'s shape.
+        q: the quantized tensor whose planes ``t`` views from now on.
+        usages: the usages ``t`` serves (default ``q.usages``).
+    """
     usages = tuple(q.usages if usages is None else usages)
-    return _point_te_tensor(t, q.recipe, q._planes, tuple(q.shape), usages, q._transpose)
+    _point_te_tensor(t, q.recipe, q.planes, tuple(q.shape), usages, q.transpose_cache)
+    return t
 
 
-#: Attribute of a TE tensor made by the FSDP hook: its padded scale tensors by TE name, kept across
-#: gathers (a forward gather sets only the rowwise ones, a backward gather only the columnwise).
-_SCALE_BUFFERS_ATTR = "_dtensor_fp8_scale_buffers"
+class _ShardPlan(NamedTuple):
+    """How a one-rank gather for one set of usages re-points the TE tensor (see ``from_shard``).
+
+    Attributes:
+        tensors: the shard's plane tensors it was made for (an optimizer step rewrites them in
+            place; a checkpoint load may replace them, and then the plan is made again).
+        assign: ``(attribute, value)`` written as they are: the TE buffers that are views of the
+            shard, ``None`` for the absent ones, stale flags.
+        build: ``(name, fn, keep)`` per TE buffer made again at every gather (``fn`` from
+            ``TEBinding.builder``; ``keep``: a padded scale to overwrite next time).
+        rowwise, columnwise: the quantizer's usages.
+    """
+
+    tensors: tuple
+    assign: tuple
+    build: tuple
+    rowwise: bool
+    columnwise: bool
+
+
+class _ViewState:
+    """What the FSDP hook keeps per unsharded TE tensor between gathers (on the TE tensor, as
+    :data:`_VIEW_STATE_ATTR`: FSDP hands the same object to every later gather).
+
+    Attributes:
+        kept: padded scale tensors by TE name, overwritten by later gathers (a forward gather
+            sets only the rowwise ones, a backward gather only the columnwise ones).
+        plans: one-rank gathers: a :class:`_ShardPlan` per usages (forward, backward).
+    """
+
+    __slots__ = ("kept", "plans")
+
+    def __init__(self):
+        self.kept: dict[str, torch.Tensor] = {}
+        self.plans: dict[tuple, _ShardPlan] = {}
+
+
+#: Attribute of an unsharded TE tensor made by the FSDP hook: its :class:`_ViewState`.
+_VIEW_STATE_ATTR = "_dtensor_fp8_view_state"
+
+
+def _view_state(t) -> _ViewState:
+    state = t.__dict__.get(_VIEW_STATE_ATTR)
+    if state is None:
+        state = t.__dict__[_VIEW_STATE_ATTR] = _ViewState()
+    return state
+
+
+def _set_usage(t, binding: TEBinding, usages) -> None:
+    """TE's bookkeeping after its buffers changed: stale flags, and the quantizer's usages."""
+    for buf in binding.buffers:
+        if buf.invalid_flag is not None:
+            setattr(t, buf.invalid_flag, getattr(t, buf.name) is None)
+    quantizer = getattr(t, "_quantizer", None)
+    if quantizer is not None:
+        quantizer.set_usage(rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages)
 
 
 def _point_te_tensor(t, recipe: Recipe, planes: dict, shape: tuple, usages: tuple[str, ...], transpose=None):
-    """:func:`update_te_tensor_` from the parts of a QuantizedTensor. Padded scale tensors from
-    earlier calls on ``t`` are overwritten, not reallocated."""
-    kept = t.__dict__.setdefault(_SCALE_BUFFERS_ATTR, {})
-    bufs = _te_buffers(recipe, planes, shape, usages, transpose, reuse=kept)
-    for name, value in bufs.items():
-        setattr(t, name, value)
-        if value is not None and name.endswith("_scale_inv") and name != "_scale_inv":
-            kept[name] = value
-    if hasattr(t, "_transpose_invalid"):
-        t._transpose_invalid = t._transpose is None
-    if getattr(t, "_quantizer", None) is not None:
-        t._quantizer.set_usage(rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages)
-    return t
+    """Re-point ``t``'s buffers at ``planes``; padded scale tensors from earlier calls on ``t``
+    are overwritten, not reallocated."""
+    b = recipe.te_binding
+    kept = _view_state(t).kept
+    bufs = b.layout(recipe, planes, shape, usages, reuse=kept, transposed_data=transpose)
+    for buf in b.buffers:
+        value = bufs.get(buf.name)
+        setattr(t, buf.name, value)
+        if value is not None and buf.part == SCALE_INV and not b.is_view(buf, recipe, shape):
+            kept[buf.name] = value
+    _set_usage(t, b, usages)
 
 
 # ---- TE -> QuantizedTensor ---------------------------------------------------------------------------
@@ -256,46 +268,143 @@ def from_te_tensor(t, *, dtype: torch.dtype | None = None) -> QuantizedTensor:
     Args:
         t: ``Float8Tensor`` / ``Float8BlockwiseQTensor`` / ``MXFP8Tensor`` (or their storage classes).
         dtype: nominal dtype (default: ``t.dtype``).
+
+    Example:
+        >>> q = from_te_tensor(te_linear.weight)  # a te.quantized_model_init weight
     """
     recipe = recipe_from_te(t)
+    b = recipe.te_binding
     shape = tuple(t.shape)
-    names = _BUFFERS["Float8Tensor"] if isinstance(recipe, _PerTensor) else _BUFFERS["MXFP8Tensor"]
-    bufs = {n: getattr(t, n, None) for n in names}
-    if isinstance(recipe, _PerTensor) and getattr(t, "_transpose_invalid", False):
-        bufs["_transpose"] = None
-    planes = recipe.from_te_layout(bufs, shape)
-    usages = []
-    if isinstance(recipe, _PerTensor):
-        if bufs["_data"] is not None:
-            usages.append(ROWWISE)
-        if bufs["_transpose"] is not None or bufs["_data"] is not None:
-            usages.append(COLUMNWISE)
-    else:
-        if bufs["_rowwise_data"] is not None:
-            usages.append(ROWWISE)
-        if bufs["_columnwise_data"] is not None or (recipe.columnwise_is_transpose and bufs["_rowwise_data"] is not None):
-            usages.append(COLUMNWISE)
-    nominal = dtype or t.dtype
-    matrix = as_matrix_shape(shape)
+    bufs = {}
+    for buf in b.buffers:
+        value = getattr(t, buf.name, None)
+        if buf.invalid_flag is not None and getattr(t, buf.invalid_flag, False):
+            value = None
+        bufs[buf.name] = value
+    planes, usages = b.planes_from(recipe, bufs, shape)
     # TE's transpose cache is not carried over: it is rebuilt from the shared bytes when needed.
-    return QuantizedTensor(planes, recipe, matrix, nominal, tuple(usages))
+    return QuantizedTensor(planes, recipe, as_matrix_shape(shape), dtype or t.dtype, usages)
+
+
+# ---- FSDP2's unsharded parameter of a TE module ------------------------------------------------------
+class TEUnshardedView:
+    """Builds and re-points the TE tensor FSDP2 uses as the unsharded parameter of a marked TE
+    module's FP8 weight (see the note at the top). ``fsdp.py`` calls it; one instance,
+    :data:`FSDP_TE_VIEW`, serves every module."""
+
+    def views_shard(self, shard: QuantizedTensor) -> bool:
+        """Whether one-rank gathers of ``shard`` can hand TE views of the shard itself (no
+        all-gather input, no copy): every rowwise TE buffer is a view of its planes. The same
+        answer for both directions: FSDP sizes its all-gather outputs once per weight."""
+        recipe = shard.recipe
+        # FSDP2 un-pads the first unsharded parameter with ``as_strided(..., storage_offset=0)``,
+        # which TE applies to its data buffers: they must start their storage (FSDP's own copy of
+        # a shard always does; a view into a larger tensor would not).
+        starts = all(t.storage_offset() == 0 for p in shard.planes.values() for t in (p.data, p.scale_inv))
+        return starts and recipe.te_binding.views_planes(recipe, tuple(shard.shape), (ROWWISE, COLUMNWISE))
+
+    def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+        """The unsharded parameter of a one-rank gather: a TE tensor over ``shard``'s own planes.
+
+        Args:
+            shard: the local shard (at world size 1: the whole weight).
+            usages: the usages this gather serves.
+            dtype: FSDP's parameter dtype (the TE tensor's nominal dtype).
+            out: ``None`` at the first gather (the TE tensor is made and returned as
+                ``(tensor, ())``), else the unsharded parameter to re-point (returns ``None``).
+        """
+        recipe = shard.recipe
+        planes = shard.planes
+        if out is None:
+            shape = tuple(shard.shape)
+            bufs = recipe.te_binding.layout(recipe, planes, shape, usages)
+            return _new_te_tensor(recipe, bufs, shape, dtype, shard.device, usages, scale_inv=_scale_inv_of(planes)), ()
+        t = out._local_tensor if isinstance(out, DTensor) else out  # DTensor under tensor parallelism
+        state = _view_state(t)
+        plan = state.plans.get(usages)
+        if plan is None or not self._plan_holds(plan, planes):
+            plan = state.plans[usages] = self._plan(recipe, planes, tuple(shard.shape), usages)
+        for name, value in plan.assign:
+            setattr(t, name, value)
+        kept = state.kept
+        for name, build, keep in plan.build:
+            value = build(kept.get(name))
+            setattr(t, name, value)
+            if keep:
+                kept[name] = value
+        quantizer = t._quantizer
+        if quantizer is not None:
+            quantizer.set_usage(rowwise=plan.rowwise, columnwise=plan.columnwise)
+        return None
+
+    @staticmethod
+    def _plan_holds(plan: _ShardPlan, planes: dict) -> bool:
+        """Whether ``plan`` was made for these very plane tensors."""
+        tensors = plan.tensors
+        if len(planes) * 2 != len(tensors):
+            return False
+        i = 0
+        for p in planes.values():
+            if p.data is not tensors[i] or p.scale_inv is not tensors[i + 1]:
+                return False
+            i += 2
+        return True
+
+    @staticmethod
+    def _plan(recipe: Recipe, planes: dict, shape, usages) -> _ShardPlan:
+        """Which buffers of a one-rank gather are views of the shard (made once, here) and which
+        are built per gather."""
+        b = recipe.te_binding
+        served = b.buffers_for(tuple(usages))
+        assign, build = [], []
+        for buf in b.buffers:
+            if buf not in served:
+                assign.append((buf.name, None))
+            elif b.is_view(buf, recipe, shape):
+                assign.append((buf.name, TEBinding.make(buf, planes[buf.plane], shape)))
+            else:
+                build.append((buf.name, TEBinding.builder(buf, planes[buf.plane], shape), buf.part == SCALE_INV))
+            if buf.invalid_flag is not None:
+                assign.append((buf.invalid_flag, buf not in served))
+        tensors = tuple(x for p in planes.values() for x in (p.data, p.scale_inv))
+        return _ShardPlan(tensors, tuple(assign), tuple(build), ROWWISE in usages, COLUMNWISE in usages)
+
+    def __call__(self, planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
+                 usages: tuple[str, ...], out, orig_rows: int):
+        """The unsharded parameter of a gather over several ranks, from the gathered planes
+        (views of FSDP's buffers) of a ``shape`` weight serving ``usages``.
+
+        First gather (``out is None``): returns ``(te_tensor, ())``. Later gathers: re-points
+        ``out``'s buffers in place and returns ``None``; it builds no QuantizedTensor unless rows
+        of a padded last shard must be cut off.
+        """
+        from .ops import slice_quantized
+
+        if out is not None and shape[0] == orig_rows:
+            _point_te_tensor(getattr(out, "_local_tensor", out), recipe, planes, shape, usages)
+            return None
+        gathered = QuantizedTensor(planes, recipe, shape, dtype, usages)
+        if shape[0] != orig_rows:
+            gathered = slice_quantized(gathered, 0, 0, orig_rows)
+        if out is not None:
+            update_te_tensor_(getattr(out, "_local_tensor", out), gathered)
+            return None
+        return to_te_tensor(gathered), ()
+
+
+#: The hook ``fsdp.py`` calls for the FP8 weights of modules marked by :func:`quantize_te_module_`.
+FSDP_TE_VIEW = TEUnshardedView()
 
 
 # ---- TE modules ---------------------------------------------------------------------------------------
 def _is_te_module(m: nn.Module) -> bool:
-    try:
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(m, TransformerEngineBaseModule)
+    ns = te_import.load()
+    return ns is not None and isinstance(m, ns.TransformerEngineBaseModule)
 
 
 def _is_te_quantized(p) -> bool:
-    try:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor as TEQuantizedTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(p, TEQuantizedTensor)
+    ns = te_import.load()
+    return ns is not None and isinstance(p, ns.QuantizedTensor)
 
 
 def quantize_te_module_(
@@ -312,7 +421,7 @@ def quantize_te_module_(
     quantized with ``recipe``; a weight that already is a TE FP8 tensor (``te.quantized_model_init``)
     is converted with :func:`from_te_tensor` (its bytes kept) and its master starts from
     ``get_high_precision_init_val()`` when TE kept it. The module is marked so FSDP2's all-gather
-    returns TE tensors (see the note at the top), which TE's GEMMs read directly.
+    returns TE tensors (see the notes at the top), which TE's GEMMs read directly.
 
     Use ``fuse_qkv_params=True`` in ``TransformerLayer`` / ``MultiheadAttention``: with split Q/K/V
     parameters TE concatenates the weights in forward, which is not an FP8 operation.
@@ -320,10 +429,13 @@ def quantize_te_module_(
     Args:
         module: the model.
         recipe: our recipe for high-precision weights (must match the ``te.autocast`` recipe's weight
-            quantizer: ``DelayedScaling``/``CurrentScaling`` for TE's per-tensor recipes,
-            ``Blockwise(block_dims=2)`` for ``Float8BlockScaling``, ``MXFP8``).
+            quantizer; :func:`te_recipe_for` gives that TE recipe).
         filter_fn: ``(te_module, param_name) -> bool``; only accepted weights are converted.
         keep_hp_init: keep a CPU copy of each high-precision init value for the master weights.
+
+    Example:
+        >>> quantize_te_module_(model, dtensor_fp8.CurrentScaling())
+        >>> for layer in model.layers: fully_shard(layer)
     """
     from .state_dict import register_state_dict_hooks
     from .module import HP_INIT_ATTR
@@ -356,31 +468,8 @@ def quantize_te_module_(
                 hp_init[full] = init.detach().to("cpu", copy=True)
             converted = True
         if converted:
-            setattr(sub, TE_VIEW_ATTR, fsdp_te_view)
+            setattr(sub, TE_VIEW_ATTR, FSDP_TE_VIEW)
             register_state_dict_hooks(sub)
     setattr(module, HP_INIT_ATTR, hp_init)
     return module
 
-
-def fsdp_te_view(planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
-                 usages: tuple[str, ...], out, orig_rows: int):
-    """Called by ``fsdp.fsdp_post_all_gather`` for parameters of marked TE modules, with the
-    gathered planes (views of FSDP's buffers) of a ``shape`` weight serving ``usages``.
-
-    First gather (``out is None``): returns ``(te_tensor, ())`` — FSDP's unsharded parameter is a
-    TE tensor over the gathered buffers. Later gathers: re-point ``out``'s buffers in place
-    (every gather runs this, so it builds no QuantizedTensor unless rows must be cut off).
-    """
-    from .ops import slice_quantized
-
-    if out is not None and shape[0] == orig_rows:
-        # te_layout builds the transposed copy a columnwise usage needs.
-        _point_te_tensor(getattr(out, "_local_tensor", out), recipe, planes, shape, usages)
-        return None
-    gathered = QuantizedTensor(planes, recipe, shape, dtype, usages)
-    if shape[0] != orig_rows:
-        gathered = slice_quantized(gathered, 0, 0, orig_rows)
-    if out is not None:
-        update_te_tensor_(getattr(out, "_local_tensor", out), gathered)
-        return None
-    return to_te_tensor(gathered), ()

@@ -382,14 +382,14 @@ def test_unsharded_weight_keeps_its_scale_across_an_optimizer_step(pools, recipe
 # ---- benchmark instrumentation -------------------------------------------------------------------
 def _host_split_labels():
     import dtensor_fp8.fsdp as dfsdp
-    from dtensor_fp8.benchmarks.te_step import _HostSplit
+    from dtensor_fp8.benchmarks.te_step import HostSplit
 
     original = dfsdp.fsdp_pre_all_gather
     model = d.quantize_module_(_hp_model(), RECIPES["delayed"])
     _shard(model, "reshard")
     opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=1e-3)
     x = torch.randn(BATCH, DIM, device=DEVICE)
-    with _HostSplit() as split:
+    with HostSplit() as split:
         model(x).sum().backward()
         opt.step()
     restored = dfsdp.fsdp_pre_all_gather is original

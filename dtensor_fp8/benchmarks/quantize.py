@@ -34,12 +34,12 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 import dtensor_fp8 as d
-from dtensor_fp8.formats import te_kernels
+from dtensor_fp8.formats import te_import, te_kernels
+from dtensor_fp8.formats.te_binding import te_quantizer, te_unsupported_reason
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _MIN_REPS, _MIN_BUFFERS = 20, 3
@@ -57,53 +57,25 @@ def _recipes() -> dict[str, d.Recipe]:
 
 
 _DELAYED_SCALE = 0.75  # an explicit, non-power-of-two delayed-scaling scale
+#: Cases quantized with that explicit scale (delayed scaling takes one; the others compute theirs).
+_GIVEN_SCALE = {"delayed_e4m3"}
+#: Cases without a TE-kernel fast path in formats/te_kernels.py (no ``ours_te_kernels`` row).
+_NO_FAST_PATH = {"mxfp8_e4m3"}
 
 
 def _import_te():
-    """``(te_module_namespace, None)`` or ``(None, reason)``."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import transformer_engine  # noqa: F401
-            import transformer_engine.pytorch as te
-            import transformer_engine_torch as tex
-            from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
-            from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-            from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
-    except Exception as e:  # noqa: BLE001  (ImportError, or a failing native library)
-        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
-    ns = argparse.Namespace(
-        te=te, tex=tex, Float8Quantizer=Float8Quantizer, Float8CurrentScalingQuantizer=Float8CurrentScalingQuantizer,
-        Float8BlockQuantizer=Float8BlockQuantizer, MXFP8Quantizer=MXFP8Quantizer,
-        version=getattr(te, "__version__", None) or getattr(transformer_engine, "__version__", "unknown"),
-    )
-    return ns, None
+    """``(TE namespace, None)`` or ``(None, reason)`` (formats/te_import.py)."""
+    return te_import.load(), te_import.import_error()
 
 
-def _te_quantizer(ns, recipe: d.Recipe, device: torch.device, cc: tuple[int, int]):
+def _te_quantizer(recipe: d.Recipe, device: torch.device, cc: tuple[int, int], scale):
     """``(quantizer, None)`` or ``(None, why TE does not run it here)``."""
     if device.type != "cuda":
         return None, "TE needs CUDA"
-    fp8 = ns.tex.DType.kFloat8E4M3 if recipe.fp8_dtype == torch.float8_e4m3fn else ns.tex.DType.kFloat8E5M2
-    if isinstance(recipe, d.DelayedScaling):
-        scale = torch.full((1,), _DELAYED_SCALE, dtype=torch.float32, device=device)
-        amax = torch.zeros(1, dtype=torch.float32, device=device)
-        return ns.Float8Quantizer(scale, amax, fp8_dtype=fp8, rowwise=True, columnwise=True), None
-    if isinstance(recipe, d.CurrentScaling):
-        return ns.Float8CurrentScalingQuantizer(
-            fp8, device, rowwise=True, columnwise=True,
-            force_pow_2_scales=recipe.force_pow_2_scales, amax_epsilon=recipe.amax_epsilon,
-        ), None
-    if isinstance(recipe, d.Blockwise):
-        return ns.Float8BlockQuantizer(
-            fp8_dtype=fp8, rowwise=True, columnwise=True, amax_epsilon=recipe.amax_epsilon,
-            force_pow_2_scales=recipe.force_pow_2_scales, block_scaling_dim=recipe.block_dims,
-        ), None
-    if isinstance(recipe, d.MXFP8):
-        if cc < (10, 0):
-            return None, f"TE's MXFP8 kernels need sm_100+, device is sm_{cc[0]}{cc[1]}"
-        return ns.MXFP8Quantizer(fp8, rowwise=True, columnwise=True), None
-    return None, f"no TE quantizer for {recipe!r}"
+    why = te_unsupported_reason(recipe, cc)
+    if why is not None:
+        return None, why
+    return te_quantizer(recipe, rowwise=True, columnwise=True, device=device, scale=scale), None
 
 
 def _te_call(quantizer):
@@ -230,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(copy)
 
     for name, recipe in recipes.items():
-        kw = {"scale": torch.tensor(_DELAYED_SCALE, device=device)} if isinstance(recipe, d.DelayedScaling) else {}
+        kw = {"scale": torch.tensor(_DELAYED_SCALE, device=device)} if name in _GIVEN_SCALE else {}
         ours = lambda x, r=recipe, kw=kw: d.quantize(x, r, rowwise=True, columnwise=True, **kw)  # noqa: E731
         try:
             with te_kernels.reference_only():
@@ -240,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             rows.append(_row(name, "ours", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
             continue
-        if te_kernels.takes_input(inputs[0]) and not isinstance(recipe, d.MXFP8):
+        if te_kernels.takes_input(inputs[0]) and name not in _NO_FAST_PATH:
             try:
                 ms = time_calls(ours, inputs, **timing)
                 exact = _bit_exact(reference, d.te_layout(ours(inputs[0])), shape, recipe)
@@ -250,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         if te_ns is None:
             rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {te_reason}"))
             continue
-        quantizer, why = _te_quantizer(te_ns, recipe, device, cc)
+        quantizer, why = _te_quantizer(recipe, device, cc, kw.get("scale"))
         if quantizer is None:
             rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {why}"))
             continue

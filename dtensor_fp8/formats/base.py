@@ -12,7 +12,8 @@ where a block extent of ``None`` means "the whole dimension" (per-tensor scaling
 Because of that, sharding a plane along dim 0 (or 1) is slicing data rows and scale rows at the
 same block boundary, and gathering is concatenation: the placement and FSDP code never needs to
 know the recipe. Transformer Engine's physical layouts (transposed columnwise storage, padded
-scale tensors) are produced only at the TE boundary, by :meth:`Recipe.te_layout`.
+scale tensors) are produced only at the TE boundary, by :meth:`Recipe.te_layout` from the
+recipe's declared ``te_binding`` (``te_binding.py``).
 
 For per-tensor and 128x128 blockwise recipes the columnwise plane is the rowwise plane with the
 same bytes (``columnwise_is_transpose``): only the rowwise plane is stored and moved, and TE's
@@ -25,10 +26,14 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import te_kernels
+
+if TYPE_CHECKING:
+    from .te_binding import TEBinding
 
 ROWWISE = "rowwise"
 COLUMNWISE = "columnwise"
@@ -111,20 +116,28 @@ class Recipe(abc.ABC):
         what is stored (dtype :attr:`scale_inv_dtype`).
         """
 
+    @property
     @abc.abstractmethod
+    def te_binding(self) -> "TEBinding":
+        """How this recipe maps onto Transformer Engine's tensors (``te_binding.py``): TE's tensor
+        class, buffers, quantizer and recipe, declared once; the TE methods below derive from it."""
+
+    # ---- Transformer Engine's storage (derived from te_binding) -------------------------------------
     def te_layout(self, planes: dict[str, Plane], shape, usages=USAGES, reuse=None) -> dict[str, torch.Tensor]:
         """TE's attribute names -> tensors for a tensor of logical ``shape`` serving ``usages``
-        (FP8 data as uint8, TE's padded scales and transposed storage). ``reuse``: name -> an
-        earlier padded scale tensor to overwrite (FSDP's later gathers of the same weight)."""
+        (FP8 data as uint8, TE's padded scales and transposed storage; shared with the planes
+        where TE's layout is ours). ``reuse``: name -> an earlier padded scale tensor to
+        overwrite (FSDP's later gathers of the same weight)."""
+        return self.te_binding.layout(self, planes, shape, usages, reuse)
 
-    @abc.abstractmethod
     def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
         """Inverse of :meth:`te_layout`: planes in the logical orientation, as 2-D matrices."""
+        return self.te_binding.planes_from(self, buffers, shape)[0]
 
     def te_scale_extents(self, shape) -> dict[str, tuple[int, int]]:
         """Valid (unpadded) extent of each padded scale tensor in :meth:`te_layout` (TE does not
         initialize the padding, so only this region is comparable)."""
-        return {}
+        return self.te_binding.scale_extents(self, shape)
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """Raise :class:`RecipeError` for (logical, possibly N-D) shapes TE rejects for this recipe."""
@@ -346,6 +359,8 @@ def te_data(data2d: torch.Tensor, shape, *, transposed: bool) -> torch.Tensor:
 def transpose_2d(data: torch.Tensor) -> torch.Tensor:
     """``data.t().contiguous()`` for a 2-D one-byte (FP8 / uint8) tensor; TE's transpose kernel on CUDA."""
     if te_kernels.usable(data):
+        if data.dtype == torch.uint8:  # TE's layout: bytes already (no view round trip)
+            return te_kernels.transpose_bytes(data)
         return te_kernels.transpose_bytes(data.view(torch.uint8)).view(data.dtype)
     return data.t().contiguous()
 

@@ -16,16 +16,38 @@ from dataclasses import dataclass
 import torch
 
 from . import te_kernels
-from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data, transpose_2d
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError
 from .per_tensor import _check_fp8_dtype
 from .scaling import reciprocal, scale_from_amax
+from .te_binding import TEBinding, TEBuffer
 
 BLOCK = 128
-_SCALE_PAD = 4  # TE pads the inner dimension of blockwise scale tensors to a multiple of 4
+_SCALE_PAD = (1, 4)  # TE pads the inner dimension of blockwise scale tensors to a multiple of 4
 
 
-def _pad_cols(t: torch.Tensor, cols: int, reuse: torch.Tensor | None = None) -> torch.Tensor:
-    return pad_2d(t, t.shape[0], cols, reuse)
+def _te_binding(block_dims: int) -> TEBinding:
+    """TE's ``Float8BlockwiseQTensor``: rowwise data shared, columnwise data ``(K, M)``; 1-D
+    rowwise scales stored transposed; with 128x128 blocks the columnwise buffers are the rowwise
+    plane's bytes and scales, transposed."""
+    column_plane = COLUMNWISE if block_dims == 1 else ROWWISE
+    buffers = (
+        TEBuffer("_rowwise_data", "rowwise_data", (ROWWISE,), ROWWISE, "data"),
+        TEBuffer("_rowwise_scale_inv", "rowwise_scale_inv", (ROWWISE,), ROWWISE, "scale_inv",
+                 transposed=block_dims == 1, pad=_SCALE_PAD),
+        TEBuffer("_columnwise_data", "columnwise_data", (COLUMNWISE,), column_plane, "data", transposed=True),
+        TEBuffer("_columnwise_scale_inv", "columnwise_scale_inv", (COLUMNWISE,), column_plane, "scale_inv",
+                 transposed=block_dims == 2, pad=_SCALE_PAD),
+    )
+    return TEBinding(
+        "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage", buffers, "Float8BlockQuantizer",
+        quantizer_fields=(("force_pow_2_scales", "force_pow_2_scales"), ("amax_epsilon", "amax_epsilon"),
+                          ("block_scaling_dim", "block_dims")),
+        tensor_flags=(("is_2D_scaled", block_dims == 2),),
+        te_recipe="Float8BlockScaling", te_recipe_fields=(("w_block_scaling_dim", "block_dims"),),
+    )
+
+
+_TE_BINDINGS = {1: _te_binding(1), 2: _te_binding(2)}
 
 
 @dataclass(frozen=True, repr=True)
@@ -60,6 +82,10 @@ class Blockwise(Recipe):
     def columnwise_is_transpose(self) -> bool:  # type: ignore[override]
         return self.block_dims == 2
 
+    @property
+    def te_binding(self) -> TEBinding:
+        return _TE_BINDINGS[self.block_dims]
+
     def block_shape(self, usage: str) -> BlockShape:
         if self.block_dims == 2:
             return BlockShape(BLOCK, BLOCK)
@@ -82,46 +108,3 @@ class Blockwise(Recipe):
                 amax_epsilon=self.amax_epsilon, rowwise=stored == ROWWISE, columnwise=stored == COLUMNWISE)
             return self.from_te_layout(buffers, tuple(hp.shape))[stored]
         return super().quantize_plane(hp, usage, amax=amax, scale=scale)
-
-    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE), reuse=None):
-        m, k = as_matrix_shape(shape)
-        reuse = reuse or {}
-        out = {}
-        if ROWWISE in usages:
-            p = planes[ROWWISE]
-            out["_rowwise_data"] = te_data(p.data, shape, transposed=False)
-            if self.block_dims == 1:  # (M, K/128) stored transposed
-                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(m, _SCALE_PAD), reuse.get("_rowwise_scale_inv"))
-            else:
-                out["_rowwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(p.scale_inv.shape[1], _SCALE_PAD), reuse.get("_rowwise_scale_inv"))
-        if COLUMNWISE in usages:
-            p = planes[self.stored_usage(COLUMNWISE)]
-            out["_columnwise_data"] = te_data(p.data, shape, transposed=True)
-            if self.block_dims == 1:  # (M/128, K)
-                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv, round_up(k, _SCALE_PAD), reuse.get("_columnwise_scale_inv"))
-            else:  # the transposed grid, (K/128, M/128)
-                out["_columnwise_scale_inv"] = _pad_cols(p.scale_inv.t(), round_up(p.scale_inv.shape[0], _SCALE_PAD),
-                                                    reuse.get("_columnwise_scale_inv"))
-        return out
-
-    def te_scale_extents(self, shape):
-        m, k = as_matrix_shape(shape)
-        gm, gk = -(-m // BLOCK), -(-k // BLOCK)
-        if self.block_dims == 1:
-            return {"_rowwise_scale_inv": (gk, m), "_columnwise_scale_inv": (gm, k)}
-        return {"_rowwise_scale_inv": (gm, gk), "_columnwise_scale_inv": (gk, gm)}
-
-    def from_te_layout(self, buffers, shape):
-        m, k = as_matrix_shape(shape)
-        planes = {}
-        gm, gk = -(-m // BLOCK), -(-k // BLOCK)
-        if buffers.get("_rowwise_data") is not None:
-            s = buffers["_rowwise_scale_inv"]
-            scale_inv = s[:gk, :m].t() if self.block_dims == 1 else s[:gm, :gk]
-            planes[ROWWISE] = Plane(buffers["_rowwise_data"].view(self.fp8_dtype).reshape(m, k), dense(scale_inv))
-        if buffers.get("_columnwise_data") is not None and (self.block_dims == 1 or ROWWISE not in planes):
-            s = buffers["_columnwise_scale_inv"]
-            scale_inv = s[:gm, :k] if self.block_dims == 1 else s[:gk, :gm].t()
-            data = transpose_2d(buffers["_columnwise_data"].view(self.fp8_dtype).reshape(k, m))
-            planes[self.stored_usage(COLUMNWISE)] = Plane(data, dense(scale_inv))
-        return planes

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, pad_2d, round_up, te_data
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError, as_matrix_shape, round_up
 from .per_tensor import _check_fp8_dtype
+from .te_binding import TEBinding, TEBuffer
 
 BLOCK = 32
 _FP32_MANTISSA_BITS = 23
@@ -73,6 +74,17 @@ class MXFP8(Recipe):
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
 
     scale_inv_dtype = torch.float8_e8m0fnu
+    # TE's MXFP8Tensor: both planes (M, K) as ours; E8M0 scales as bytes, padded; TE's kernels
+    # are built for sm_100+ only (on sm_90 TE's quantize writes nothing, see DESIGN.md).
+    te_binding = TEBinding(
+        "MXFP8Tensor", "MXFP8TensorStorage",
+        (TEBuffer("_rowwise_data", "rowwise_data", (ROWWISE,), ROWWISE, "data"),
+         TEBuffer("_rowwise_scale_inv", "rowwise_scale_inv", (ROWWISE,), ROWWISE, "scale_inv", pad=(128, 4)),
+         TEBuffer("_columnwise_data", "columnwise_data", (COLUMNWISE,), COLUMNWISE, "data"),
+         TEBuffer("_columnwise_scale_inv", "columnwise_scale_inv", (COLUMNWISE,), COLUMNWISE, "scale_inv", pad=(4, 128))),
+        "MXFP8Quantizer", tensor_flags=(("with_gemm_swizzled_scales", False),), te_recipe="MXFP8BlockScaling",
+        min_capability=(10, 0),
+    )
 
     def __post_init__(self):
         _check_fp8_dtype("MXFP8", self.fp8_dtype)
@@ -105,35 +117,3 @@ class MXFP8(Recipe):
     def decode(self, data, scale_inv, usage, dtype):
         # E8M0 -> fp32 through torch's native cast: exact for every byte but 0xFF (NaN).
         return super().decode(data, scale_inv.float(), usage, dtype)
-
-    def te_layout(self, planes, shape, usages=(ROWWISE, COLUMNWISE), reuse=None):
-        m, k = as_matrix_shape(shape)
-        reuse = reuse or {}
-        out = {}
-        if ROWWISE in usages:
-            p = planes[ROWWISE]
-            out["_rowwise_data"] = te_data(p.data, shape, transposed=False)
-            out["_rowwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(m, 128), round_up(-(-k // BLOCK), 4),
-                                               reuse.get("_rowwise_scale_inv"))
-        if COLUMNWISE in usages:
-            p = planes[COLUMNWISE]
-            out["_columnwise_data"] = te_data(p.data, shape, transposed=False)
-            out["_columnwise_scale_inv"] = pad_2d(p.scale_inv.view(torch.uint8), round_up(-(-m // BLOCK), 4), round_up(k, 128),
-                                                  reuse.get("_columnwise_scale_inv"))
-        return out
-
-    def te_scale_extents(self, shape):
-        m, k = as_matrix_shape(shape)
-        return {"_rowwise_scale_inv": (m, k // BLOCK), "_columnwise_scale_inv": (m // BLOCK, k)}
-
-    def from_te_layout(self, buffers, shape):
-        m, k = as_matrix_shape(shape)
-        planes = {}
-        for usage in (ROWWISE, COLUMNWISE):
-            data = buffers.get(f"_{usage}_data")
-            if data is None:
-                continue
-            gr, gc = self.block_shape(usage).grid((m, k))
-            scale = buffers[f"_{usage}_scale_inv"][:gr, :gc].contiguous().view(torch.float8_e8m0fnu)
-            planes[usage] = Plane(data.view(self.fp8_dtype).reshape(m, k), scale)
-        return planes

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from . import te_kernels
-from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError, as_matrix_shape, te_data, transpose_2d
+from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError
 from .scaling import reciprocal, scale_from_amax
+from .te_binding import TEBinding, TEBuffer
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WHOLE_TENSOR = BlockShape(None, None)
@@ -69,26 +70,15 @@ class _PerTensor(Recipe):
         te_kernels.cast_with_scales_into(list(hps), scales.float(), [p.data for p in planes], self.fp8_dtype)
         torch._foreach_copy_([p.scale_inv.view(-1) for p in planes], list(scale_invs.float().reshape(-1, 1).unbind(0)))
 
-    def te_layout(self, planes: dict[str, Plane], shape, usages=(ROWWISE, COLUMNWISE), reuse=None) -> dict[str, torch.Tensor]:
-        plane = planes[ROWWISE]
-        out = {}
-        if ROWWISE in usages:
-            out["_data"] = te_data(plane.data, shape, transposed=False)
-        if COLUMNWISE in usages:
-            out["_transpose"] = te_data(plane.data, shape, transposed=True)
-        out["_scale_inv"] = plane.scale_inv.reshape(1)
-        return out
 
-    def from_te_layout(self, buffers: dict[str, torch.Tensor], shape) -> dict[str, Plane]:
-        m, k = as_matrix_shape(shape)
-        scale_inv = buffers["_scale_inv"].float().reshape(1, 1)
-        if buffers.get("_data") is not None:
-            data = buffers["_data"].view(self.fp8_dtype).reshape(m, k)
-        elif buffers.get("_transpose") is not None:
-            data = transpose_2d(buffers["_transpose"].view(self.fp8_dtype).reshape(k, m))
-        else:
-            raise RecipeError(f"{self.name}: TE tensor has neither _data nor _transpose")
-        return {ROWWISE: Plane(data, scale_inv)}
+#: TE's ``Float8Tensor``: ``_data`` is our rowwise plane's bytes (shared), ``_transpose`` the
+#: transposed copy Hopper's backward GEMM reads (the transpose cache), ``_scale_inv`` our scale.
+_FLOAT8_TENSOR_BUFFERS = (
+    TEBuffer("_data", "data", (ROWWISE,), ROWWISE, "data"),
+    TEBuffer("_transpose", "data_transpose", (COLUMNWISE,), ROWWISE, "data", transposed=True,
+             invalid_flag="_transpose_invalid"),
+    TEBuffer("_scale_inv", "fp8_scale_inv", (ROWWISE, COLUMNWISE), ROWWISE, "scale_inv", flat=True),
+)
 
 
 @dataclass(frozen=True, repr=True)
@@ -115,6 +105,13 @@ class DelayedScaling(_PerTensor):
     margin: int = 0
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+
+    te_binding = TEBinding(
+        "Float8Tensor", "Float8TensorStorage", _FLOAT8_TENSOR_BUFFERS, "Float8Quantizer",
+        quantizer_state=("scale", "amax"), te_recipe="DelayedScaling",
+        te_recipe_fields=(("margin", "margin"), ("amax_history_len", "amax_history_len"),
+                          ("amax_compute_algo", "amax_compute_algo")),
+    )
 
     def __post_init__(self):
         _check_fp8_dtype("DelayedScaling", self.fp8_dtype)
@@ -247,6 +244,13 @@ class CurrentScaling(_PerTensor):
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     force_pow_2_scales: bool = False
     amax_epsilon: float = 0.0
+
+    te_binding = TEBinding(
+        "Float8Tensor", "Float8TensorStorage", _FLOAT8_TENSOR_BUFFERS, "Float8CurrentScalingQuantizer",
+        quantizer_state=("device",),
+        quantizer_fields=(("force_pow_2_scales", "force_pow_2_scales"), ("amax_epsilon", "amax_epsilon")),
+        te_recipe="Float8CurrentScaling",
+    )
 
     def __post_init__(self):
         _check_fp8_dtype("CurrentScaling", self.fp8_dtype)

@@ -28,29 +28,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from types import SimpleNamespace
 
 import torch
+
+from . import te_import
 
 ENV_SWITCH = "DTENSOR_FP8_TE_KERNELS"
 
 
 @functools.cache
 def _te():
-    """TE's extension and quantizer classes, or ``None`` when TE does not import (imported on the
-    first CUDA tensor only: CPU runs never load TE)."""
-    try:
-        import transformer_engine_torch as tex
-        from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
-        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import Float8TensorStorage
-    except Exception:  # noqa: BLE001  (ImportError, or a native library that fails to load)
+    """TE's namespace (``formats/te_import.py``), or ``None`` when TE does not import or lacks
+    the kernels used here (imported on the first CUDA tensor only: CPU runs never load TE)."""
+    te = te_import.load()
+    if te is None or not all(hasattr(te.tex, f) for f in ("compute_amax", "fp8_transpose")):  # another TE version
         return None
-    if not all(hasattr(tex, f) for f in ("compute_amax", "fp8_transpose")):  # another TE version
-        return None
-    dtypes = {torch.float8_e4m3fn: tex.DType.kFloat8E4M3, torch.float8_e5m2: tex.DType.kFloat8E5M2}
-    return SimpleNamespace(tex=tex, Float8Quantizer=Float8Quantizer, Float8BlockQuantizer=Float8BlockQuantizer,
-                           Float8TensorStorage=Float8TensorStorage, dtypes=dtypes)
+    return te
 
 
 def usable(hp: torch.Tensor) -> bool:
@@ -123,10 +116,9 @@ def tensor_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
 
 def cast_with_scale(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``saturate(hp * scale)`` in ``fp8_dtype`` (round to nearest even), one per-tensor ``scale``."""
-    te = _te()
     scratch_amax = torch.empty(1, dtype=torch.float32, device=hp.device)  # the cast also records its amax
-    quantizer = te.Float8Quantizer(scale.float().reshape(1).to(hp.device), scratch_amax, te.dtypes[fp8_dtype],
-                                   rowwise=True, columnwise=False)
+    quantizer = te_import.new_quantizer("Float8Quantizer", fp8_dtype, scale=scale.float().reshape(1).to(hp.device),
+                                        amax=scratch_amax, rowwise=True, columnwise=False)
     return quantizer(hp.contiguous())._data.view(fp8_dtype).reshape(hp.shape)
 
 
@@ -147,7 +139,8 @@ def cast_with_scales_into(hps: list[torch.Tensor], scales: torch.Tensor, outs: l
     """
     te = _te()
     scratch = torch.empty(2, dtype=torch.float32, device=scales.device)  # amax the cast records, scale_inv slot
-    quantizer = te.Float8Quantizer(scales[0].reshape(1), scratch[0:1], te.dtypes[fp8_dtype], rowwise=True, columnwise=False)
+    quantizer = te_import.new_quantizer("Float8Quantizer", fp8_dtype, scale=scales[0].reshape(1), amax=scratch[0:1],
+                                        rowwise=True, columnwise=False)
     # TE's storage class over our bytes: the cast kernel writes them directly.
     target = te.Float8TensorStorage(data=None, fp8_scale_inv=scratch[1:2], fp8_dtype=te.dtypes[fp8_dtype],
                                     data_transpose=None)
@@ -161,8 +154,7 @@ def blockwise_quantize(hp: torch.Tensor, *, block_dims: int, fp8_dtype: torch.dt
                        amax_epsilon: float, rowwise: bool, columnwise: bool) -> dict[str, torch.Tensor | None]:
     """TE's blockwise quantization of a 2-D tensor: TE's buffers (``_rowwise_data``, padded
     ``_rowwise_scale_inv``, ...) for the recipe's ``from_te_layout``."""
-    te = _te()
-    quantizer = te.Float8BlockQuantizer(te.dtypes[fp8_dtype], rowwise=rowwise, columnwise=columnwise,
+    quantizer = te_import.new_quantizer("Float8BlockQuantizer", fp8_dtype, rowwise=rowwise, columnwise=columnwise,
                                         amax_epsilon=amax_epsilon, force_pow_2_scales=force_pow_2_scales,
                                         block_scaling_dim=block_dims)
     out = quantizer(hp.contiguous())

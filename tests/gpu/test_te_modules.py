@@ -128,8 +128,8 @@ def test_te_buffers_equal_te_quantizer(name):
         ref = quantizer(w)
     if hasattr(ref, "_transpose_invalid") and (ref._transpose is None or ref._transpose_invalid):
         ref._create_transpose()
-    names = dte._BUFFERS[type(t).__name__]
-    for n in names:
+    assert type(t).__name__ == recipe.te_binding.tensor_class
+    for n in recipe.te_binding.names:
         a, b = getattr(t, n), getattr(ref, n)
         assert (a is None) == (b is None), n
         if a is None:
@@ -158,6 +158,67 @@ def test_te_dequantize_equals_ours(name):
         with torch.no_grad():
             got_c = tc.dequantize(dtype=torch.float32)
         assert torch.equal(got_c.view(torch.int32), q.columnwise_matrix(torch.float32).view(torch.int32))
+
+
+def test_recipe_tables_agree_with_te():
+    """Each recipe's declared TE binding names TE's real classes, its te_recipe_for is this file's
+    TE recipe, and a tensor made by TE's quantizer reads back as the same recipe."""
+    from dtensor_fp8.formats import te_import
+
+    te_ns = te_import.load()
+    for name, (recipe, make_recipe) in RECIPES.items():
+        b = recipe.te_binding
+        for cls in (b.tensor_class, b.storage_class, b.quantizer_class):
+            assert getattr(te_ns, cls).__name__ == cls, (name, cls)
+        ours, theirs = dte.te_recipe_for(recipe), make_recipe()
+        assert type(ours) is type(theirs), (name, ours, theirs)
+        if hasattr(theirs, "w_block_scaling_dim"):
+            assert ours.w_block_scaling_dim == theirs.w_block_scaling_dim, name
+        quantizer = dte.te_quantizer(recipe, device=DEV)
+        if name == "mxfp8" and CC < (10, 0):
+            t = quantizer.make_empty((256, 512), dtype=BF16, device=DEV)  # allocation only (no kernel here)
+        else:
+            with torch.no_grad():
+                t = quantizer(_weight(256, 512, 4))
+        assert dte.recipe_from_te(t) == recipe, (name, dte.recipe_from_te(t))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shard_view_follows_the_shard(name):
+    """The one-rank FSDP hook (TEUnshardedView.from_shard): the TE tensor views the shard's own
+    bytes (no copy) where the binding says it can, is re-pointed per direction, sees an in-place
+    rewrite of the shard, and follows planes replaced by new tensors."""
+    recipe, _ = RECIPES[name]
+    view = dte.FSDP_TE_VIEW
+    q = d.quantize(_weight(256, 512, 5), recipe)
+    if name == "block1d":  # TE stores 1x128 rowwise scales transposed: a copy, so FSDP gathers (copies) them
+        assert not view.views_shard(q)
+        return
+    assert view.views_shard(q), f"{name}: a (256, 512) weight needs no padded rowwise scale"
+    t, inner = view.from_shard(q, ("rowwise",), BF16, None)
+    assert inner == ()
+    row_name = recipe.te_binding.buffers[0].name  # _data / _rowwise_data
+    assert getattr(t, row_name).data_ptr() == q.plane("rowwise").data.data_ptr()
+    for usages in [("columnwise",), ("rowwise",), ("rowwise", "columnwise")]:
+        assert view.from_shard(q, usages, BF16, t) is None
+        expected = dte.te_buffers(q, usages)
+        for n, want in expected.items():
+            got = getattr(t, n)
+            assert (got is None) == (want is None), (usages, n)
+            if want is not None:
+                assert torch.equal(_u8(_valid(n, got, 256, 512, recipe)), _u8(_valid(n, want, 256, 512, recipe))), (usages, n)
+        assert t._quantizer.rowwise_usage == ("rowwise" in usages) and t._quantizer.columnwise_usage == ("columnwise" in usages)
+    # an optimizer step rewrites the shard in place: the TE tensor's rowwise bytes are the shard's
+    fresh = d.quantize(_weight(256, 512, 6), recipe)
+    for u, p in q.planes.items():
+        p.data.copy_(fresh.planes[u].data)
+        p.scale_inv.copy_(fresh.planes[u].scale_inv)
+    view.from_shard(q, ("rowwise",), BF16, t)
+    assert torch.equal(_u8(getattr(t, row_name)), _u8(fresh.plane("rowwise").data).reshape(getattr(t, row_name).shape))
+    # planes replaced by other tensors (a checkpoint load): the next gather views the new ones
+    q.repoint_(fresh.planes, fresh.usages)
+    view.from_shard(q, ("rowwise",), BF16, t)
+    assert getattr(t, row_name).data_ptr() == fresh.plane("rowwise").data.data_ptr()
 
 
 def _run_linear(lin, x, dy, make_recipe):
