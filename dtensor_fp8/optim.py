@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .formats.base import USAGES
 from .module import HP_INIT_ATTR
 from .placement import like, local_tensor
 from .requantize import GraphedRequantize, local_slice
@@ -62,6 +63,8 @@ from .tensor import QuantizedTensor
 
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONFINITE = ("raise", "skip", "ignore")
+#: state keys of an FP8 parameter's scaling state: ``"<usage>_<field>"`` (see the note)
+_SCALING_PREFIXES = tuple(f"{u}_" for u in USAGES)
 #: state key of an FP8 parameter's master weight
 MASTER_KEY = "master"
 
@@ -292,9 +295,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             for key, value in saved.items():
                 if key == MASTER_KEY and p in self._masters:
                     local_tensor(ref).copy_(_localize(value, ref, f"{self._fqn_of(p)}.{key}"))
-                elif p in self._masters and self._scaling_key(p, key) is not None:
-                    fqn_usage, field = self._scaling_key(p, key)
-                    self.scaling_states[fqn_usage][field].copy_(value.to(self.scaling_states[fqn_usage][field].device))
+                elif p in self._masters and key.startswith(_SCALING_PREFIXES):
+                    # A recipe's scaling state: loaded where this recipe keeps the same state, else
+                    # dropped (a recipe switch starts the new recipe's scaling afresh).
+                    found = self._scaling_key(p, key)
+                    if found is not None:
+                        (fqn_usage, field) = found
+                        target = self.scaling_states[fqn_usage][field]
+                        target.copy_(value.to(target.device))
                 else:
                     own[key] = _localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
             if own:

@@ -41,9 +41,10 @@ from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
 
-#: While set (to a dtype), the state-dict hook puts each FP8 weight's dequantized values in the
-#: state dict instead of its planes (``export_hp_state_dict``).
-_EXPORT_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("_EXPORT_DTYPE", default=None)
+#: While set (to ``(dtype, masters)``), the state-dict hook puts each FP8 weight's high-precision
+#: values in the state dict instead of its planes: its master's where ``masters`` (FQN -> master)
+#: has one, else its dequantized FP8 values (``export_hp_state_dict``).
+_EXPORT: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("_EXPORT", default=None)
 
 
 def _scale_placements(param: DTensor, recipe, usage):
@@ -84,13 +85,20 @@ def _fp8_params(module):
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
-    export = _EXPORT_DTYPE.get()
+    export = _EXPORT.get()
     for name, p in _fp8_params(module):
-        if prefix + name in state_dict:
-            if export is not None:
-                state_dict[prefix + name] = like(p, local_tensor(p).dequantize(export))
-            else:
-                state_dict[prefix + name] = plane_entries(p)
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        if export is None:
+            state_dict[key] = plane_entries(p)
+            continue
+        dtype, masters = export
+        master = masters.get(key)
+        if master is not None:
+            state_dict[key] = like(p, local_tensor(master).detach().to(dtype, copy=True))
+        else:
+            state_dict[key] = like(p, local_tensor(p).dequantize(dtype))
     return state_dict
 
 
@@ -102,9 +110,11 @@ def check_saved_recipe(name: str, saved, recipe) -> None:
         raise RecipeError(
             f"{name}: the checkpoint holds this weight in {theirs!r}, the model in {recipe!r}. Build the model with "
             f"the checkpoint's recipe ({theirs!r}) to load it exactly; or switch recipes through high precision: "
-            "load into a model of the checkpoint's recipe, then dtensor_fp8.export_hp_state_dict(model, torch.float32) "
-            "-> dtensor_fp8.load_hp_state_dict(new_model, ...), which requantizes every weight in the new recipe and "
-            "starts the new masters from those values (optimizer state is not carried over)."
+            "load it into a model and optimizer of the checkpoint's recipe, then hp = "
+            "dtensor_fp8.export_hp_state_dict(model, torch.float32, optimizer=opt); "
+            "dtensor_fp8.load_hp_state_dict(new_model, hp, optimizer=new_opt) keeps the FP32 masters exactly "
+            "and requantizes every weight in the new recipe; new_opt.load_state_dict(opt.state_dict()) carries the "
+            "optimizer's moments too. What resets: the FP8 bytes (requantized), and the old recipe's scaling state."
         )
 
 
@@ -169,10 +179,15 @@ def register_state_dict_hooks(module: nn.Module) -> None:
 
 
 # ---- high-precision export / import ------------------------------------------------------------------
-def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every FP8 weight dequantized (rowwise plane) to ``dtype``: the
-    keys of the same model without FP8 (persistent buffers only, modules' extra state included),
-    ready for the unquantized model's ``load_state_dict(strict=True)`` or ``save_pretrained``.
+def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16, *, optimizer=None
+                         ) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every FP8 weight in high precision: the keys of the same model
+    without FP8 (persistent buffers only, modules' extra state included), ready for the
+    unquantized model's ``load_state_dict(strict=True)``, ``save_pretrained`` or another recipe.
+
+    Each FP8 weight's values are its master's when ``optimizer`` is given (the values training
+    actually holds; with FP32 masters and ``dtype=torch.float32``, exactly), else the dequantized
+    rowwise plane (the FP8 rounding of the master).
 
     Sharded parameters stay DTensors with their placements (``dcp.save`` it, or ``full_tensor()``
     each entry for a single-file export).
@@ -180,16 +195,17 @@ def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16) 
     Args:
         model: a model with FP8 parameters.
         dtype: the dtype of the exported FP8 weights (other entries keep theirs).
+        optimizer: a :class:`MasterWeightOptimizer` over ``model``, whose masters are exported.
 
     Example:
         >>> sd = dtensor_fp8.export_hp_state_dict(model)        # bf16, same keys as nn.Linear
         >>> plain.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()})
     """
-    token = _EXPORT_DTYPE.set(dtype)
+    token = _EXPORT.set((dtype, optimizer.masters if optimizer is not None else {}))
     try:
         return model.state_dict()
     finally:
-        _EXPORT_DTYPE.reset(token)
+        _EXPORT.reset(token)
 
 
 @torch.no_grad()

@@ -369,3 +369,29 @@ def test_a_nan_on_one_rank_stops_every_rank_alike(pools):
     msgs = pools[WORLD_SIZES[0]].run(_nan_on_one_rank, "raise")
     assert len(set(msgs)) == 1 and "fc1.weight" in msgs[0], msgs
     assert pools[WORLD_SIZES[0]].run(_nan_on_one_rank, "skip") == ["stepped, skipped=1"] * WORLD_SIZES[0]
+
+
+def test_switching_recipes_keeps_masters_and_moments_exactly():
+    """The recipe-switch path: masters exported from the optimizer (FP32, exact), imported into a
+    model of another recipe, and the optimizer's moments carried over; only the FP8 bytes
+    (requantized in the new recipe) and the old recipe's scaling state are new."""
+    old = _net(recipe=d.RECIPES["delayed"])
+    old_opt = d.MasterWeightOptimizer(old, torch.optim.AdamW, lr=1e-2)
+    _train(old, old_opt, 3)
+    hp = d.export_hp_state_dict(old, torch.float32, optimizer=old_opt)
+    assert torch.equal(hp["fc1.weight"], old_opt.masters["fc1.weight"])  # the master, not its FP8 rounding
+    assert not torch.equal(hp["fc1.weight"], old.fc1.weight.dequantize(torch.float32))
+    new = _net(seed=7, recipe=d.RECIPES["blockwise1d"])
+    new_opt = d.MasterWeightOptimizer(new, torch.optim.AdamW, lr=1e-2)
+    d.load_hp_state_dict(new, hp, optimizer=new_opt)
+    new_opt.load_state_dict(old_opt.state_dict())
+    for name, m in old_opt.masters.items():
+        assert torch.equal(new_opt.masters[name], m), name
+        expected = d.quantize(m.detach(), d.RECIPES["blockwise1d"])
+        got = dict(new.named_parameters())[name]
+        for usage in got.usages:
+            assert torch.equal(got.plane(usage).data.view(torch.uint8), expected.plane(usage).data.view(torch.uint8))
+    for p_old, p_new in zip(old.parameters(), new.parameters()):
+        s_old, s_new = old_opt.state[p_old], new_opt.state[p_new]
+        assert torch.equal(s_old["exp_avg"], s_new["exp_avg"]) and torch.equal(s_old["exp_avg_sq"], s_new["exp_avg_sq"])
+        assert "rowwise_amax_history" not in s_new  # the delayed-scaling history stayed behind
