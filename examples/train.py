@@ -8,8 +8,10 @@
 What it does on every rank: builds the model on the meta device, materializes and initializes it,
 turns its Linear weights into FP8 parameters (``quantize_module_``), shards every block and the
 root with torch's own ``fully_shard``, trains with FP32 master weights
-(``MasterWeightOptimizer``), saves a DCP checkpoint halfway, then builds a fresh model, resumes
-from that checkpoint and finishes the run. Rank 0 prints a progress bar, the loss, and the bytes
+(``MasterWeightOptimizer``, a ``torch.optim.Optimizer``: AdamW with weight decay on matrices only)
+under a warm-up + cosine LR schedule (``torch.optim.lr_scheduler.LambdaLR``), saves a DCP
+checkpoint halfway through torch's ``get_state_dict`` (model, optimizer, scheduler and step), then
+builds a fresh model, resumes from that checkpoint with ``set_state_dict`` and finishes the run. Rank 0 prints a progress bar, the loss, and the bytes
 each step's all-gathers moved, measured at the collective, next to the same model in bf16 under
 plain FSDP2. The weights are gathered as FP8 bytes: forward gathers rowwise planes, backward
 gathers columnwise planes.
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -160,12 +163,28 @@ def bf16_wire_bytes(args, device, mesh) -> int:
     return counted.received
 
 
-def progress(step: int, total: int, loss: float, wire: int, bf16: int, tag: str) -> None:
+def optimizer(model, args):
+    """AdamW over FP32 masters, weight decay on matrices only, warm-up + cosine learning rate."""
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    other = [p for p in model.parameters() if p.dim() != 2]
+    opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, [{"params": decay}, {"params": other,
+                                            "weight_decay": 0.0}], lr=args.lr, weight_decay=0.1)
+    warmup = max(1, args.steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, args.steps - warmup))))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
+def progress(step: int, total: int, loss: float, wire: int, bf16: int, tag: str, lr: float) -> None:
     width = 24
     filled = int(width * step / total)
     bar = "#" * filled + "-" * (width - filled)
     ratio = f"x{wire / bf16:.2f}" if bf16 else "one rank: FSDP2 runs no all-gather"
-    print(f"\r[{bar}] step {step:3d}/{total} {tag:7s} loss {loss:7.4f}  all-gather bytes/step "
+    print(f"\r[{bar}] step {step:3d}/{total} {tag:7s} loss {loss:7.4f} lr {lr:.1e}  all-gather bytes/step "
           f"{wire / 2**20:6.3f} MiB (bf16 FSDP2: {bf16 / 2**20:6.3f} MiB, {ratio})", end="", flush=True)
 
 
@@ -198,41 +217,47 @@ def worker(rank: int, args) -> None:
     mesh = init_device_mesh(args.device, (args.world_size,))
     bf16 = bf16_wire_bytes(args, device, mesh)
 
-    def train(model, opt, steps, tag):
+    def train(model, opt, sched, steps, tag):
         loss_value = float("nan")
         for step in steps:
             x, y = batches(args.vocab, args.batch, args.seq, step, rank, args.world_size)
             with CollectiveBytes() as counted:
                 loss = step_loss(model, args, x, y, device)
                 loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            sched.step()
             opt.zero_grad()
             total = loss.detach().clone()
             dist.all_reduce(total)
             loss_value = total.item() / args.world_size
             if rank == 0:
-                progress(step + 1, args.steps, loss_value, counted.received, bf16, tag)
+                progress(step + 1, args.steps, loss_value, counted.received, bf16, tag, sched.get_last_lr()[0])
         return loss_value
 
     model = build(args, device, mesh, fp8=True)
-    opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, lr=args.lr)
+    opt, sched = optimizer(model, args)
     half = args.steps // 2
-    first = train(model, opt, range(half), "train")
-    path = dtensor_fp8.save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict()}, args.ckpt, half)
+    first = train(model, opt, sched, range(half), "train")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = dtensor_fp8.save_checkpoint({"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(),
+                                        "step": half}, args.ckpt, half)
     if rank == 0:
-        print(f"\nsaved {path} (FP8 planes as uint8 tensors, FP32 masters, optimizer state)")
+        print(f"\nsaved {path} (FP8 planes as uint8 tensors, FP32 masters, optimizer and scheduler state)")
 
     # Resume into a fresh model, as a restarted job would.
     model = build(args, device, mesh, fp8=True)
-    opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, lr=args.lr)
-    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    opt, sched = optimizer(model, args)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(), "step": 0}
     dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint(args.ckpt))
     with trusted_te_extra_state(args.te):
-        model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    sched.load_state_dict(state["sched"])
     if rank == 0:
-        print(f"resumed from {dtensor_fp8.latest_checkpoint(args.ckpt)}")
-    last = train(model, opt, range(half, args.steps), "resumed")
+        print(f"resumed from {dtensor_fp8.latest_checkpoint(args.ckpt)} at step {state['step']}, "
+              f"lr {sched.get_last_lr()[0]:.2e}")
+    last = train(model, opt, sched, range(state["step"], args.steps), "resumed")
     fp8_params = sum(1 for p in model.parameters() if isinstance(p.to_local(), dtensor_fp8.QuantizedTensor))
     assert fp8_params > 0, "no FP8 parameter survived"
     if rank == 0:
