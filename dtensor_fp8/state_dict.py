@@ -251,6 +251,14 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
                 local_tensor(masters[name]).copy_(local)
         else:
             local_tensor(target).copy_(local)
-    requantize_from_hp_(items)
+    # Quantized as quantize() would quantize them: a stateful recipe (delayed scaling) starts a new
+    # scaling state from these values (written into the optimizer's own state tensors, if any).
+    fresh = {}
+    requantize_from_hp_(items, fresh)
+    kept = optimizer.scaling_states if optimizer is not None else {}
+    for key, state in fresh.items():
+        if key in kept:
+            for field, value in state.items():
+                kept[key][field].copy_(value)
     if others:
         model.load_state_dict(others, strict=False)
