@@ -240,6 +240,36 @@ class Recipe(abc.ABC):
             scale, scale_inv = self.scale_from_amax(amax, usage, hp.dtype)
         return Plane(self.encode(hp, scale, usage), scale_inv)
 
+    # ---- FP8 GEMMs (see formats/scaled_mm.py) -------------------------------------------------
+    def gemm_recipe(self):
+        """The FP8 GEMMs of a linear layer with a weight of this recipe (a
+        :class:`~dtensor_fp8.formats.scaled_mm.GemmRecipe`: activation and gradient recipes, fast
+        accumulation per GEMM), or ``None`` when it has none (the emulated linear runs)."""
+        return None
+
+    def operand_state(self, device: torch.device):
+        """Scaling state an activation / gradient quantizer of this recipe keeps across steps
+        (delayed scaling's amax history and scale); ``None`` for recipes whose scales are a
+        function of the data alone."""
+        return None
+
+    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None):
+        """Quantize a GEMM operand (activations, output gradients): the stored planes serving the
+        usages asked for, and the scaling state for the next call.
+
+        Args:
+            hp: 2-D high-precision tensor.
+            rowwise, columnwise: the usages needed.
+            state: from :meth:`operand_state` or the previous call (stateful recipes).
+
+        Returns:
+            ``(planes by stored usage, state)``.
+
+        Example:
+            >>> planes, _ = CurrentScaling().quantize_operand(x, rowwise=True, columnwise=True)
+        """
+        return {u: self.quantize_plane(hp, u) for u in self.stored_usages(rowwise, columnwise)}, state
+
     def initial_scaling_state(self, current: Plane):
         """Per-weight scaling state kept across requantizations (delayed scaling's amax history);
         ``None`` for recipes whose scales are a function of the data alone."""

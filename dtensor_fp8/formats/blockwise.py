@@ -20,6 +20,7 @@ from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError
 from .per_tensor import _check_fp8_dtype
 from .scaling import reciprocal, scale_from_amax
 from .te_binding import TEBinding, TEBuffer
+from .scaled_mm import GemmRecipe
 
 BLOCK = 128
 _SCALE_PAD = (1, 4)  # TE pads the inner dimension of blockwise scale tensors to a multiple of 4
@@ -99,6 +100,14 @@ class Blockwise(Recipe):
             value_for_inf=torch.finfo(hp_dtype).max,
         )
         return scale, reciprocal(scale)
+
+    def gemm_recipe(self):
+        # TE's Float8BlockScaling: 1x128 activations and gradients (x_/grad_block_scaling_dim=1) in
+        # the recipe's format (E4M3 by default) and QParams; split accumulation in all GEMMs.
+        operand = Blockwise(block_dims=1, fp8_dtype=self.fp8_dtype, force_pow_2_scales=self.force_pow_2_scales,
+                            amax_epsilon=self.amax_epsilon)
+        return GemmRecipe(input=operand, grad=operand, fast_accum=(False, False, False),
+                          name=f"Float8BlockScaling(w_block_scaling_dim={self.block_dims})")
 
     def quantize_plane(self, hp, usage, *, amax=None, scale=None):
         if amax is None and scale is None and te_kernels.takes_input(hp):  # same bytes, one pass (te_kernels.py)

@@ -26,6 +26,7 @@ import torch
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError, as_matrix_shape, round_up
 from .per_tensor import _check_fp8_dtype
 from .te_binding import TEBinding, TEBuffer
+from .scaled_mm import GemmRecipe
 
 BLOCK = 32
 _FP32_MANTISSA_BITS = 23
@@ -105,6 +106,11 @@ class MXFP8(Recipe):
                 f"dimensions{flat} divisible by {BLOCK}. Pad the weight to a multiple of {BLOCK} in both "
                 f"({round_up(m, BLOCK)} x {round_up(k, BLOCK)}) or keep this layer in high precision."
             )
+
+    def gemm_recipe(self):
+        # TE's MXFP8BlockScaling: E4M3 (its default format) activations and gradients, 1x32 / 32x1.
+        operand = MXFP8(torch.float8_e4m3fn)
+        return GemmRecipe(input=operand, grad=operand, fast_accum=(False, False, False), name="MXFP8BlockScaling")
 
     def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
         # TE multiplies by the fp32-rounded reciprocal (Quantized_Limits::max_norm_rcp), not a division.

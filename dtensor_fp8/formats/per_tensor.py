@@ -15,6 +15,7 @@ from . import te_kernels
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError
 from .scaling import reciprocal, scale_from_amax
 from .te_binding import TEBinding, TEBuffer
+from .scaled_mm import GemmRecipe
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WHOLE_TENSOR = BlockShape(None, None)
@@ -137,6 +138,31 @@ class DelayedScaling(_PerTensor):
         scale = self._update_scales(amax.float().reshape(1, 1), torch.ones(1, device=amax.device))[1]
         scale = scale.reshape(amax.shape)
         return scale, reciprocal(scale)
+
+    def gemm_recipe(self):
+        # TE's DelayedScaling with its default HYBRID format: E4M3 activations, E5M2 gradients,
+        # each with its own amax history; fprop with fast accumulation (TE's _2X_ACC_FPROP=False).
+        same = dict(margin=self.margin, amax_history_len=self.amax_history_len, amax_compute_algo=self.amax_compute_algo)
+        return GemmRecipe(input=DelayedScaling(torch.float8_e4m3fn, **same), grad=DelayedScaling(torch.float8_e5m2, **same),
+                          fast_accum=(True, False, False), name="DelayedScaling(fp8_format=HYBRID)")
+
+    def operand_state(self, device):
+        return {"amax_history": torch.zeros(self.amax_history_len, device=device),
+                "scale": torch.ones(1, device=device)}
+
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+        """TE's delayed scaling of an activation or gradient: the cast uses the scale the history
+        gave so far and records its amax in ``history[0]``; the update TE runs when the autocast
+        region ends (forward) or after the backward (gradients) then rolls the history and gives
+        the next scale. Here that update follows each cast (the same, for a layer called once per
+        step). No amax all-reduce: TE reduces only over an explicit ``amax_reduction_group``."""
+        if state is None:
+            state = self.operand_state(hp.device)
+        scale = state["scale"]
+        plane = self.quantize_plane(hp, ROWWISE, scale=scale)
+        history = self.record_amax(state["amax_history"], self.block_amax(hp, ROWWISE))
+        history, scale = self.update_scale(history, scale)
+        return {ROWWISE: plane}, {"amax_history": history, "scale": scale}
 
     def initial_scaling_state(self, current):
         history = torch.zeros(self.amax_history_len, device=current.scale_inv.device)
@@ -265,6 +291,13 @@ class CurrentScaling(_PerTensor):
             force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
         )
         return scale, reciprocal(scale)
+
+    def gemm_recipe(self):
+        # TE's Float8CurrentScaling with its default HYBRID format: E4M3 activations, E5M2
+        # gradients, the weight's QParams for both; fprop with fast accumulation (MMParams).
+        same = dict(force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        return GemmRecipe(input=CurrentScaling(torch.float8_e4m3fn, **same), grad=CurrentScaling(torch.float8_e5m2, **same),
+                          fast_accum=(True, False, False), name="Float8CurrentScaling(fp8_format=HYBRID)")
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):
         # The scale is a function of each tensor's amax alone: compute all of them in one go.
