@@ -120,7 +120,10 @@ def operand(plane: Plane, block: BlockShape, contract_dim: int, transposed: torc
     contracting dim 0 transposes the bytes (``transposed``: an existing transposed copy)."""
     if contract_dim == 1:
         return Operand(plane.data, plane.scale_inv, block)
-    data = transpose_2d(plane.data) if transposed is None else transposed
+    if transposed is None:
+        # A plane written transposed by its kernel is a .t() view: its bytes are already K-major.
+        transposed = plane.data.t() if plane.data.t().is_contiguous() else transpose_2d(plane.data)
+    data = transposed
     return Operand(data, plane.scale_inv.t(), gemm_block(block, 0))
 
 
@@ -265,14 +268,14 @@ class _FP8Linear(torch.autograd.Function):
             x2 = x2.contiguous()
         states = _states(weight, g, x.device)
         planes, states["input"] = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states["input"])
-        a = operand(planes[g.input.stored_usage(ROWWISE)], g.input.block_shape(ROWWISE), 1)
+        a = operand(planes[ROWWISE], g.input.block_shape(ROWWISE), 1)
         b = operand(weight.plane(ROWWISE), weight.recipe.block_shape(ROWWISE), 1)
         y = scaled_mm(a, b, x.dtype, fast_accum=g.fast("fprop"), gemm="fprop")
         if bias is not None:
             y = y + bias
         saved = [weight]
         if needs_wgrad:
-            x_col = planes[g.input.stored_usage(COLUMNWISE)]
+            x_col = planes[COLUMNWISE]
             saved += [x_col.data, x_col.scale_inv]
         ctx.save_for_backward(*saved)
         ctx.has_bias, ctx.needs_wgrad, ctx.x_dtype = bias is not None, needs_wgrad, x.dtype
@@ -295,13 +298,13 @@ class _FP8Linear(torch.autograd.Function):
             w_plane = weight.plane(COLUMNWISE)  # raises with the fix when the gather did not bring it
             cache = weight.create_transpose_cache() if w_recipe.columnwise_is_transpose else None
             b = operand(w_plane, w_recipe.block_shape(COLUMNWISE), 0, transposed=cache)
-            a = operand(planes[g.grad.stored_usage(ROWWISE)], g.grad.block_shape(ROWWISE), 1)
+            a = operand(planes[ROWWISE], g.grad.block_shape(ROWWISE), 1)
             grad_x = scaled_mm(a, b, ctx.x_dtype, fast_accum=g.fast("dgrad"), gemm="dgrad")
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
             # The transpose cache lives from the backward gather to its one use (see fsdp.py).
             weight.discard_transpose_cache()
         if need_dw:
-            a = operand(planes[g.grad.stored_usage(COLUMNWISE)], g.grad.block_shape(COLUMNWISE), 0)
+            a = operand(planes[COLUMNWISE], g.grad.block_shape(COLUMNWISE), 0)
             b = operand(Plane(*x_col), g.input.block_shape(COLUMNWISE), 0)
             grad_w = scaled_mm(a, b, weight.dtype, fast_accum=g.fast("wgrad"), gemm="wgrad")
         if ctx.has_bias and ctx.needs_input_grad[2]:
