@@ -341,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# linear_step: {args.layers} x Block(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), input "
           f"{args.seq}x{args.batch}; {name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}", flush=True)
     rows = []
+    meta = {"benchmark": "linear_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": name, "compute_capability": list(cc), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "argv": sys.argv,
+            "config": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup", "lr")}}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "linear_step.json")
+
+    def write(table=None):  # after every variant: a run cut short still leaves its rows
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "results": rows, "table_markdown": table or format_table(rows)}, f, indent=1, default=str)
+
     with tempfile.TemporaryDirectory() as tmp:
         if not dist.is_initialized():
             store = dist.FileStore(os.path.join(tmp, "store"), 1)
@@ -355,19 +366,13 @@ def main(argv: list[str] | None = None) -> int:
                 msg = (f"{r['median_ms']:.2f} ms, peak {r['step_peak_gib']:.2f} GiB" if r.get("status") == "ok"
                        else f"{r.get('status')}: {r.get('error')}")
                 print(f"  {v:<32} {msg}  [{r['wall_s']:.1f} s]", flush=True)
+                write()
         finally:
             dist.destroy_process_group()
     table = format_table(rows)
     print()
     print(table)
-    meta = {"benchmark": "linear_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": name, "compute_capability": list(cc), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "argv": sys.argv,
-            "config": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup", "lr")}}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "linear_step.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows, "table_markdown": table}, f, indent=1, default=str)
+    write(table)
     print(f"\nwrote {path}")
     return 0
 
