@@ -16,7 +16,7 @@ the root, over an NCCL group of size 1; ``torch.optim.Adam(fused=True)``. Varian
   gathered planes (dtensor_fp8/gemm.py), :class:`dtensor_fp8.MasterWeightOptimizer` with bf16 or
   FP32 masters. The first warm-up step counts the FP8 GEMMs that ran (must be 3 per linear).
 * ``te_{current,blockwise2d}``: te_step's variant (e) (TE TransformerLayers with dtensor_fp8
-  parameters, bf16 masters), imported from ``benchmarks/te_step.py``, for reference.
+  parameters, bf16 masters), built by ``benchmarks/te_step``'s ``build_variant``, for reference.
 * ``torchao``: torchao's ``Float8Linear`` (tensorwise dynamic scaling, bf16 parameters), when
   torchao imports (it is not installed on the GPU image: carry its wheel, see docs/benchmarks.md).
 * with ``--compile``: ``*_compiled`` rows, each block ``torch.compile``'d before ``fully_shard``
@@ -175,15 +175,51 @@ def _fp8_shards(model) -> str:
     return f"{good}/{len(ws)}"
 
 
-def run_variant(variant: str, cfg, mesh) -> dict:
-    from dtensor_fp8 import gemm
+def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
+    """The rest of the warm-up, then the timed steps of ``step()`` (one training step -> loss)."""
+    for _ in range(cfg.warmup - len(losses)):
+        losses.append(step())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms, host = [], []
+    for _ in range(cfg.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        losses.append(step())
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        ms.append(start.elapsed_time(end))
+    vals = [float(v) for v in torch.stack(losses).cpu()]
+    row.update(status="ok", step_ms=ms, host_ms=host, median_ms=statistics.median(ms), min_ms=min(ms),
+               median_host_ms=statistics.median(host),
+               step_peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / GIB,
+               loss_first=vals[0], loss_last=vals[-1], losses_finite=all(math.isfinite(v) for v in vals))
 
-    row = {"variant": variant, "prediction": predict(cfg, variant)}
+
+def _fresh() -> int:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base_mem = torch.cuda.memory_allocated()
+    return torch.cuda.memory_allocated()
+
+
+def _failed(row: dict, e: Exception) -> None:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        row.update(status="OOM", error=str(e).splitlines()[0][:300])
+    else:
+        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
+                   traceback=traceback.format_exc()[-3000:])
+
+
+def run_variant(variant: str, cfg, mesh) -> dict:
+    from dtensor_fp8 import gemm
+
+    row = {"variant": variant, "prediction": predict(cfg, variant)}
+    base_mem = _fresh()
     model = opt = None
     try:
         try:
@@ -219,31 +255,9 @@ def run_variant(variant: str, cfg, mesh) -> dict:
             row["fp8_weights"] = _fp8_shards(model)
             if row["fp8_gemms_first_step"] != expected:
                 row["warning"] = f"{row['fp8_gemms_first_step']} FP8 GEMMs in a step, expected {expected}"
-        for _ in range(cfg.warmup - 1):
-            losses.append(step())
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        ms, host = [], []
-        for _ in range(cfg.steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            start.record()
-            losses.append(step())
-            host.append((time.perf_counter() - t0) * 1e3)
-            end.record()
-            torch.cuda.synchronize()
-            ms.append(start.elapsed_time(end))
-        vals = [float(v) for v in torch.stack(losses).cpu()]
-        row.update(status="ok", step_ms=ms, host_ms=host, median_ms=statistics.median(ms), min_ms=min(ms),
-                   median_host_ms=statistics.median(host),
-                   step_peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / GIB,
-                   loss_first=vals[0], loss_last=vals[-1], losses_finite=all(math.isfinite(v) for v in vals))
-    except torch.cuda.OutOfMemoryError as e:
-        row.update(status="OOM", error=str(e).splitlines()[0][:300])
+        _measure(row, step, cfg, base_mem, losses)
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
-        row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
-                   traceback=traceback.format_exc()[-3000:])
+        _failed(row, e)
     finally:
         model = opt = None  # noqa: F841
         gc.collect()
@@ -253,19 +267,31 @@ def run_variant(variant: str, cfg, mesh) -> dict:
 
 
 def run_te_row(name: str, cfg, mesh) -> dict:
-    """te_step's variant (e) for one recipe (the only coupling to benchmarks/te_step.py)."""
-    from . import te_step
+    """te_step's variant (e) for one recipe: TE TransformerLayers with dtensor_fp8 parameters and
+    bf16 masters, built by te_step's public ``build_variant`` (the only coupling to te_step) and
+    timed here like the other rows."""
+    from .te_step import StepConfig, build_variant
 
-    row = {"variant": name}
-    ns, reason = te_step._import_te()
-    if ns is None:
-        row.update(status="not run", error=f"TE does not import: {reason}")
-        return row
-    te_cfg = argparse.Namespace(**{**vars(cfg), "host_split": False, "gpu_only": 0, "profile": False, "adam": "fused"})
-    r = te_step.run_variant("e", TE_ROWS[name], ns, te_cfg, mesh)
-    row.update({k: r.get(k) for k in ("status", "error", "median_ms", "min_ms", "median_host_ms", "step_peak_gib",
-                                      "loss_first", "loss_last", "warning", "fp8_shards") if k in r})
-    row["te_step_variant"] = "(e) TE TransformerLayer, dtensor_fp8 params, bf16 masters"
+    row = {"variant": name, "prediction": predict(cfg, name),
+           "te_step_variant": "(e) TE TransformerLayer, dtensor_fp8 params, bf16 masters"}
+    base_mem = _fresh()
+    v = None
+    try:
+        step_cfg = StepConfig(layers=cfg.layers, hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, seq=cfg.seq,
+                              batch=cfg.batch, lr=cfg.lr, seed=cfg.seed)
+        try:
+            v = build_variant("e", TE_ROWS[name], step_cfg, mesh)
+        except ImportError as e:
+            row.update(status="not run", error=f"TE does not import: {e}"[:300])
+            return row
+        _measure(row, v.step, cfg, base_mem, [])
+    except Exception as e:  # noqa: BLE001
+        _failed(row, e)
+    finally:
+        v = None  # noqa: F841
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     return row
 
 
