@@ -1,9 +1,15 @@
-"""Emulated FP8 linear on any device: forward reads the rowwise plane, the input gradient reads
-the columnwise plane (or the transpose cache), each dequantized before a high-precision GEMM.
+"""``F.linear`` with a quantized weight: FP8 GEMMs where torch has them (``gemm.py``), else the
+emulated linear below.
 
-This is the reference for what TE's FP8 GEMMs compute from the same bytes, and it lets a CPU
-test tell which plane a gather delivered: for MXFP8 and 1x128 blockwise the two planes hold
-different values, so reading the wrong one changes the input gradient.
+The emulated linear runs on any device: forward reads the rowwise plane, the input gradient reads
+the columnwise plane (or the transpose cache), each dequantized before a high-precision GEMM; the
+weight gradient is a high-precision GEMM of ``dy`` and ``x``. It is the reference for what the
+FP8 GEMMs compute from the same weight bytes, and it lets a CPU test tell which plane a gather
+delivered: for MXFP8 and 1x128 blockwise the two planes hold different values, so reading the
+wrong one changes the input gradient. It runs on the CPU (unless ``DTENSOR_FP8_GEMMS=on``), for
+shapes and recipes torch has no scaled GEMM for on the device (MXFP8 before sm_100; dims not
+multiples of 16, or of 128 for blockwise), and with ``DTENSOR_FP8_GEMMS=off``; on CUDA it says so
+once per process with the reason (``gemm.note_fallback``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gemm
 from .formats.base import ROWWISE
 
 
@@ -41,7 +48,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 def quantized_linear(input: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with a :class:`QuantizedTensor` weight (reached through ``__torch_function__``).
+    """``F.linear`` with a :class:`QuantizedTensor` weight (reached through ``__torch_function__``):
+    FP8 GEMMs on the weight's planes where torch has them here, else the emulated linear.
 
     Args:
         input: activations ``(..., K)``.
@@ -52,4 +60,8 @@ def quantized_linear(input: torch.Tensor, weight, bias: torch.Tensor | None = No
     Example:
         >>> y = torch.nn.functional.linear(x, dtensor_fp8.quantize(w, dtensor_fp8.MXFP8()))
     """
+    reason = gemm.unsupported_reason(input, weight)
+    if reason is None:
+        return gemm.fp8_linear(input, weight, bias)
+    gemm.note_fallback(reason, input, weight)
     return _QuantizedLinear.apply(input, weight, bias)

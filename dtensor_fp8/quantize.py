@@ -47,9 +47,8 @@ def quantize(
     recipe.check_shape(tuple(x.shape))
     matrix = as_matrix_shape(x.shape)
     x2d = x.detach().reshape(matrix)
-    planes = {}
-    for usage in recipe.stored_usages(rowwise, columnwise):
-        planes[usage] = recipe.quantize_plane(x2d, usage, scale=scale)
+    # One call for all stored planes: recipes with a fused kernel write them from one read of x.
+    planes = recipe.quantize_planes(x2d, recipe.stored_usages(rowwise, columnwise), scale=scale)
     usages = tuple(u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
     q = QuantizedTensor(planes, recipe, matrix, x.dtype, usages)
     return q if len(x.shape) == 2 else _reshaped(q, x.shape)

@@ -1,6 +1,6 @@
 """Quantize throughput: our pure-PyTorch recipes vs Transformer Engine's kernels vs a device copy.
 
-``python -m dtensor_fp8.benchmarks recipe [--size N] [--dtype bf16] [--out DIR]``
+``python -m dtensor_fp8.benchmarks quantize [--size N] [--dtype bf16] [--out DIR]``
 
 For one ``N x N`` input (default 8192 x 8192 bf16 on CUDA, 1024 x 1024 on CPU) and each recipe,
 times quantization producing both the rowwise and the columnwise usage:
@@ -8,8 +8,13 @@ times quantization producing both the rowwise and the columnwise usage:
 * ``ours``: :func:`dtensor_fp8.quantize` with the recipes' pure-torch reference (stored planes in
   the logical orientation; per-tensor and 128x128 recipes store one plane, TE's transpose is not
   built);
-* ``ours_te_kernels``: the same call with the recipes' TE-kernel fast path (``formats/te_kernels.py``:
-  CUDA with TE present; per-tensor and blockwise recipes), checked byte for byte against ``ours``;
+* ``ours_triton``: the same call with the recipes' Triton fast path only (``formats/triton_*.py``:
+  CUDA with Triton; every recipe, both planes of MXFP8 / blockwise in one pass), checked byte for
+  byte against ``ours``;
+* ``ours_te_kernels``: the same call with the recipes' TE-kernel fast path only
+  (``formats/te_kernels.py``: CUDA with TE present; per-tensor and blockwise recipes), checked
+  likewise; the note column says which fast path the recipe takes by default (both available:
+  the first of its ``kernel_order``);
 * ``ours+te_layout``: the same followed by :func:`dtensor_fp8.te_layout` (TE's physical buffers:
   transposed copies, padded scales), i.e. the same bytes TE's kernels write;
 * ``te``: TE's quantizer (``quantizer(x)``), where TE imports and runs that recipe on this device
@@ -38,7 +43,7 @@ import time
 import torch
 
 import dtensor_fp8 as d
-from dtensor_fp8.formats import te_import, te_kernels
+from dtensor_fp8.formats import te_import, te_kernels, triton_kernels
 from dtensor_fp8.formats.te_binding import te_quantizer, te_unsupported_reason
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,8 +64,6 @@ def _recipes() -> dict[str, d.Recipe]:
 _DELAYED_SCALE = 0.75  # an explicit, non-power-of-two delayed-scaling scale
 #: Cases quantized with that explicit scale (delayed scaling takes one; the others compute theirs).
 _GIVEN_SCALE = {"delayed_e4m3"}
-#: Cases without a TE-kernel fast path in formats/te_kernels.py (no ``ours_te_kernels`` row).
-_NO_FAST_PATH = {"mxfp8_e4m3"}
 
 
 def _import_te():
@@ -212,13 +215,22 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             rows.append(_row(name, "ours", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
             continue
-        if te_kernels.takes_input(inputs[0]) and name not in _NO_FAST_PATH:
-            try:
-                ms = time_calls(ours, inputs, **timing)
-                exact = _bit_exact(reference, d.te_layout(ours(inputs[0])), shape, recipe)
-                rows.append(_row(name, "ours_te_kernels", ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
-            except Exception as e:  # noqa: BLE001
-                rows.append(_row(name, "ours_te_kernels", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
+        for impl, paths in (("ours_triton", dict(te=False, triton=True)), ("ours_te_kernels", dict(te=True, triton=False))):
+            with te_kernels.kernel_paths(**paths):
+                path = triton_kernels.fast_path(recipe, inputs[0])
+                if path is None:
+                    why = ("needs CUDA and triton" if impl == "ours_triton" else "needs CUDA and TE, and a TE kernel for the recipe")
+                    rows.append(_row(name, impl, None, in_bytes, copy_gbps, note=f"not run: {why}"))
+                    continue
+                try:
+                    ms = time_calls(ours, inputs, **timing)
+                    exact = _bit_exact(reference, d.te_layout(ours(inputs[0])), shape, recipe)
+                    rows.append(_row(name, impl, ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
+                except Exception as e:  # noqa: BLE001
+                    rows.append(_row(name, impl, None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
+        with te_kernels.kernel_paths(te=True, triton=True):
+            chosen = triton_kernels.fast_path(recipe, inputs[0])
+        rows[-1]["default_path"] = chosen or "reference"
         if te_ns is None:
             rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"not run: {te_reason}"))
             continue
@@ -260,6 +272,8 @@ def format_table(rows: list[dict], copy: dict) -> str:
         if "median_ms" in r:
             vs = f"{r['vs_copy']:.3f}" if "vs_copy" in r else "1.000"
             note = r.get("note", "")
+            if "default_path" in r:
+                note = (note + f"; default fast path: {r['default_path']}").lstrip("; ")
             if r["impl"] == "copy":
                 note = f"read+write {r['read_write_gbps']:.0f} GB/s"
             lines.append(f"| {r['recipe']} | {r['impl']} | {r['median_ms']:.4f} | {r['min_ms']:.4f} | "

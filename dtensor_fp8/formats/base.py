@@ -92,6 +92,9 @@ class Recipe(abc.ABC):
     """
 
     fp8_dtype: torch.dtype
+    #: Fast paths tried in order on a CUDA input (``triton_kernels.fast_path``): ``"triton"``
+    #: (formats/triton_*.py), ``"te"`` (formats/te_kernels.py); the pure-torch reference otherwise.
+    kernel_order: tuple[str, ...] = ("triton", "te")
     #: True when the columnwise plane holds the same bytes as the rowwise plane, so only the
     #: rowwise plane is stored/moved and TE's transposed copy is built locally.
     columnwise_is_transpose: bool = False
@@ -239,6 +242,48 @@ class Recipe(abc.ABC):
                 amax = self.block_amax(hp, usage)
             scale, scale_inv = self.scale_from_amax(amax, usage, hp.dtype)
         return Plane(self.encode(hp, scale, usage), scale_inv)
+
+    # ---- FP8 GEMMs (see formats/scaled_mm.py) -------------------------------------------------
+    def gemm_recipe(self):
+        """The FP8 GEMMs of a linear layer with a weight of this recipe (a
+        :class:`~dtensor_fp8.formats.scaled_mm.GemmRecipe`: activation and gradient recipes, fast
+        accumulation per GEMM), or ``None`` when it has none (the emulated linear runs)."""
+        return None
+
+    def operand_state(self, device: torch.device):
+        """Scaling state an activation / gradient quantizer of this recipe keeps across steps
+        (delayed scaling's amax history and scale); ``None`` for recipes whose scales are a
+        function of the data alone."""
+        return None
+
+    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None):
+        """Quantize a GEMM operand (activations, output gradients): the stored planes serving the
+        usages asked for, and the scaling state for the next call.
+
+        Args:
+            hp: 2-D high-precision tensor.
+            rowwise, columnwise: the usages needed.
+            state: from :meth:`operand_state` or the previous call (stateful recipes).
+
+        Returns:
+            ``(planes by usage, state)``: a plane for each usage asked for (for transpose-derived
+            recipes both usages may be the same plane, or the columnwise one a transposed copy
+            of the same bytes viewed in the logical orientation).
+
+        Example:
+            >>> planes, _ = CurrentScaling().quantize_operand(x, rowwise=True, columnwise=True)
+        """
+        stored = {u: self.quantize_plane(hp, u) for u in self.stored_usages(rowwise, columnwise)}
+        return {u: stored[self.stored_usage(u)] for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on}, state
+
+    def quantize_planes(self, hp: torch.Tensor, usages: tuple[str, ...], *, scale=None) -> dict[str, Plane]:
+        """:meth:`quantize_plane` of each stored usage in ``usages``; recipes with a kernel that
+        writes several planes from one read of ``hp`` override this.
+
+        Example:
+            >>> planes = MXFP8().quantize_planes(w, ("rowwise", "columnwise"))
+        """
+        return {u: self.quantize_plane(hp, u, scale=scale) for u in usages}
 
     def initial_scaling_state(self, current: Plane):
         """Per-weight scaling state kept across requantizations (delayed scaling's amax history);

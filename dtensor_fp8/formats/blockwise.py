@@ -17,9 +17,11 @@ import torch
 
 from . import te_kernels
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError
+from .triton_kernels import fast_path, kernels
 from .per_tensor import _check_fp8_dtype
 from .scaling import reciprocal, scale_from_amax
 from .te_binding import TEBinding, TEBuffer
+from .scaled_mm import GemmRecipe
 
 BLOCK = 128
 _SCALE_PAD = (1, 4)  # TE pads the inner dimension of blockwise scale tensors to a multiple of 4
@@ -100,8 +102,47 @@ class Blockwise(Recipe):
         )
         return scale, reciprocal(scale)
 
+    def gemm_recipe(self):
+        # TE's Float8BlockScaling: 1x128 activations and gradients (x_/grad_block_scaling_dim=1) in
+        # the recipe's format (E4M3 by default) and QParams; split accumulation in all GEMMs.
+        operand = Blockwise(block_dims=1, fp8_dtype=self.fp8_dtype, force_pow_2_scales=self.force_pow_2_scales,
+                            amax_epsilon=self.amax_epsilon)
+        return GemmRecipe(input=operand, grad=operand, fast_accum=(False, False, False),
+                          name=f"Float8BlockScaling(w_block_scaling_dim={self.block_dims})")
+
+    def _triton(self, usages, **kw) -> dict:
+        """The Triton kernel's planes (triton_blockwise.py) for ``usages`` (stored usages, or with
+        ``out=`` existing planes to write)."""
+        hp = kw.pop("hp")
+        return kernels("blockwise").quantize(
+            hp, self.fp8_dtype, block_dims=self.block_dims, force_pow_2_scales=self.force_pow_2_scales,
+            amax_epsilon=self.amax_epsilon, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages, **kw)
+
+    def quantize_planes(self, hp, usages, *, scale=None):
+        if scale is None and hp.dim() == 2 and fast_path(self, hp) == "triton":  # every plane, one read
+            return self._triton(usages, hp=hp)
+        return super().quantize_planes(hp, usages, scale=scale)
+
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+        if fast_path(self, hp) == "triton":  # 1-D columnwise plane written transposed, as wgrad reads it
+            usages = tuple(u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
+            planes = self._triton(usages, hp=hp, columnwise_transposed=True)
+            return {u: planes[self.stored_usage(u)] for u in usages}, state
+        return super().quantize_operand(hp, rowwise=rowwise, columnwise=columnwise, state=state)
+
+    def requantize_planes_(self, usage, hps, planes, amaxes, states):
+        if all(a is None for a in amaxes) and all(fast_path(self, hp) == "triton" for hp in hps) and all(
+                p.data.is_contiguous() and p.scale_inv.is_contiguous() for p in planes):
+            for hp, plane in zip(hps, planes, strict=True):  # written into the existing storage
+                self._triton((usage,), hp=hp, out={self.stored_usage(usage): plane})
+            return list(states)
+        return super().requantize_planes_(usage, hps, planes, amaxes, states)
+
     def quantize_plane(self, hp, usage, *, amax=None, scale=None):
-        if amax is None and scale is None and te_kernels.takes_input(hp):  # same bytes, one pass (te_kernels.py)
+        path = fast_path(self, hp) if amax is None and scale is None else None
+        if path == "triton":
+            return self._triton((usage,), hp=hp)[self.stored_usage(usage)]
+        if path == "te":  # same bytes, one pass (te_kernels.py)
             stored = self.stored_usage(usage)
             buffers = te_kernels.blockwise_quantize(
                 hp, block_dims=self.block_dims, fp8_dtype=self.fp8_dtype, force_pow_2_scales=self.force_pow_2_scales,

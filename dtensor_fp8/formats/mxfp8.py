@@ -26,6 +26,8 @@ import torch
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError, as_matrix_shape, round_up
 from .per_tensor import _check_fp8_dtype
 from .te_binding import TEBinding, TEBuffer
+from .triton_kernels import fast_path, kernels
+from .scaled_mm import GemmRecipe
 
 BLOCK = 32
 _FP32_MANTISSA_BITS = 23
@@ -105,6 +107,44 @@ class MXFP8(Recipe):
                 f"dimensions{flat} divisible by {BLOCK}. Pad the weight to a multiple of {BLOCK} in both "
                 f"({round_up(m, BLOCK)} x {round_up(k, BLOCK)}) or keep this layer in high precision."
             )
+
+    # ---- Triton fast path (triton_mxfp8.py): both planes from one read; TE's MXFP8 kernels
+    # need sm_100+ and are not used ----------------------------------------------------------------
+    kernel_order = ("triton",)
+
+    def _triton(self, hp) -> bool:
+        return fast_path(self, hp) == "triton" and hp.dim() == 2 and hp.shape[0] % BLOCK == 0 and hp.shape[1] % BLOCK == 0
+
+    def quantize_plane(self, hp, usage, *, amax=None, scale=None):
+        if amax is None and scale is None and self._triton(hp):
+            return kernels("mxfp8").quantize(hp, self.fp8_dtype, rowwise=usage == ROWWISE,
+                                             columnwise=usage == COLUMNWISE)[usage]
+        return super().quantize_plane(hp, usage, amax=amax, scale=scale)
+
+    def quantize_planes(self, hp, usages, *, scale=None):
+        if scale is None and self._triton(hp):
+            return kernels("mxfp8").quantize(hp, self.fp8_dtype, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages)
+        return super().quantize_planes(hp, usages, scale=scale)
+
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+        if self._triton(hp):  # the columnwise plane written transposed, as the wgrad GEMM reads it
+            return kernels("mxfp8").quantize(hp, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise,
+                                             columnwise_transposed=True), state
+        return super().quantize_operand(hp, rowwise=rowwise, columnwise=columnwise, state=state)
+
+    def requantize_planes_(self, usage, hps, planes, amaxes, states):
+        if all(a is None for a in amaxes) and all(self._triton(hp) for hp in hps) and all(
+                p.data.is_contiguous() and p.scale_inv.is_contiguous() for p in planes):
+            quantize = kernels("mxfp8").quantize
+            for hp, plane in zip(hps, planes, strict=True):  # written into the existing storage
+                quantize(hp, self.fp8_dtype, rowwise=usage == ROWWISE, columnwise=usage == COLUMNWISE, out={usage: plane})
+            return list(states)
+        return super().requantize_planes_(usage, hps, planes, amaxes, states)
+
+    def gemm_recipe(self):
+        # TE's MXFP8BlockScaling: E4M3 (its default format) activations and gradients, 1x32 / 32x1.
+        operand = MXFP8(torch.float8_e4m3fn)
+        return GemmRecipe(input=operand, grad=operand, fast_accum=(False, False, False), name="MXFP8BlockScaling")
 
     def scale_from_amax(self, amax, usage, hp_dtype=torch.float32):
         # TE multiplies by the fp32-rounded reciprocal (Quantized_Limits::max_norm_rcp), not a division.

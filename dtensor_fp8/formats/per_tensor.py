@@ -13,8 +13,10 @@ import torch
 
 from . import te_kernels
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError
+from .triton_kernels import fast_path, kernels
 from .scaling import reciprocal, scale_from_amax
 from .te_binding import TEBinding, TEBuffer
+from .scaled_mm import GemmRecipe
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WHOLE_TENSOR = BlockShape(None, None)
@@ -31,43 +33,77 @@ class _PerTensor(Recipe):
     def block_shape(self, usage: str) -> BlockShape:
         return _WHOLE_TENSOR
 
+    def _path(self, hps) -> str | None:
+        """The fast path every tensor of ``hps`` can take (see ``triton_kernels.fast_path``)."""
+        paths = {fast_path(self, hp) for hp in hps}
+        return paths.pop() if len(paths) == 1 else None
+
     def block_amax(self, hp: torch.Tensor, usage: str) -> torch.Tensor:
-        if te_kernels.takes_input(hp):  # same value, one pass (see te_kernels.py)
+        path = fast_path(self, hp)  # same value, one pass
+        if path == "triton":
+            return kernels("per_tensor").amax(hp)
+        if path == "te":
             return te_kernels.tensor_amax(hp)
         return super().block_amax(hp, usage)
 
     def block_amaxes(self, usage: str, hps) -> list[torch.Tensor]:
-        if all(te_kernels.takes_input(hp) for hp in hps):  # one vector, one kernel per tensor
-            return list(te_kernels.tensor_amaxes(list(hps)).reshape(-1, 1, 1).unbind(0))
+        if self._path(hps) is not None:  # one vector, one kernel per tensor
+            return list(self._amaxes(hps, [None] * len(hps), usage).reshape(-1, 1, 1).unbind(0))
         return super().block_amaxes(usage, hps)
 
     def encode(self, hp: torch.Tensor, scale: torch.Tensor, usage: str) -> torch.Tensor:
-        if te_kernels.takes_input(hp):  # same bytes, one pass (see te_kernels.py)
+        path = fast_path(self, hp)  # same bytes, one pass
+        if path == "triton":
+            return kernels("per_tensor").cast(hp, scale, self.fp8_dtype)[0]
+        if path == "te":
             return te_kernels.cast_with_scale(hp, scale, self.fp8_dtype)
         return super().encode(hp, scale, usage)
 
     def _amaxes(self, hps, amaxes, usage) -> torch.Tensor:
         """Per-tensor amaxes as one ``(n,)`` vector (given ones kept, missing ones computed)."""
-        if all(a is None for a in amaxes) and all(te_kernels.takes_input(hp) for hp in hps):
-            return te_kernels.tensor_amaxes(list(hps))  # same values, written straight into one vector
+        if all(a is None for a in amaxes):
+            path = self._path(hps)  # same values, written straight into one vector
+            if path == "triton":
+                return kernels("per_tensor").amaxes(list(hps))
+            if path == "te":
+                return te_kernels.tensor_amaxes(list(hps))
         return torch.cat([(self.block_amax(hp, usage) if a is None else a).float().reshape(1)
                           for hp, a in zip(hps, amaxes)])
+
+    def _operand_planes(self, hp, scale, scale_inv, rowwise: bool, columnwise: bool) -> dict[str, Plane]:
+        """A GEMM operand's planes by usage from its scale: the FP8 bytes, and for the columnwise
+        usage their transpose written in the same pass where the Triton kernel runs (the
+        wgrad GEMM reads the transpose)."""
+        scale_inv = scale_inv.float().reshape(1, 1)
+        if columnwise and fast_path(self, hp) == "triton":
+            data, data_t = kernels("per_tensor").cast(hp, scale, self.fp8_dtype, rowwise=rowwise, transposed=True)
+            planes = {COLUMNWISE: Plane(data_t.t(), scale_inv)}
+            if rowwise:
+                planes[ROWWISE] = Plane(data, scale_inv)
+            return planes
+        plane = Plane(self.encode(hp, scale.reshape(1, 1), ROWWISE), scale_inv)
+        return {u: plane for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on}
 
     def _encode_each(self, hps, usage, scales: torch.Tensor, scale_invs: torch.Tensor):
         """Planes from per-tensor scales, one at a time (see ``Recipe.requantize_planes``)."""
         return (Plane(self.encode(hp, scale.reshape(1, 1), usage), scale_inv.reshape(1, 1))
                 for hp, scale, scale_inv in zip(hps, scales, scale_invs))
 
-    @staticmethod
-    def _casts_in_place(hps, planes) -> bool:
-        """Whether TE's cast can write each new plane straight into the existing one."""
-        return all(te_kernels.takes_input(hp) and p.data.is_contiguous() and p.scale_inv.is_contiguous()
-                   for hp, p in zip(hps, planes))
+    def _casts_in_place(self, hps, planes) -> bool:
+        """Whether a fast-path cast can write each new plane straight into the existing one."""
+        return self._path(hps) is not None and all(p.data.is_contiguous() and p.scale_inv.is_contiguous()
+                                                   for p in planes)
 
     def _write_planes(self, hps, planes, scales: torch.Tensor, scale_invs: torch.Tensor) -> None:
-        """Cast each tensor into its existing plane with TE's kernel (the bytes ``encode`` makes),
-        then store every scale_inv with one batched copy."""
-        te_kernels.cast_with_scales_into(list(hps), scales.float(), [p.data for p in planes], self.fp8_dtype)
+        """Cast each tensor into its existing plane with a fast-path kernel (the bytes ``encode``
+        makes), then store every scale_inv with one batched copy."""
+        if self._path(hps) == "triton":
+            cast = kernels("per_tensor").cast
+            scales = scales.float()
+            for i, (hp, p) in enumerate(zip(hps, planes, strict=True)):
+                cast(hp, scales[i : i + 1], self.fp8_dtype, out=p.data)
+        else:
+            te_kernels.cast_with_scales_into(list(hps), scales.float(), [p.data for p in planes], self.fp8_dtype)
         torch._foreach_copy_([p.scale_inv.view(-1) for p in planes], list(scale_invs.float().reshape(-1, 1).unbind(0)))
 
 
@@ -137,6 +173,31 @@ class DelayedScaling(_PerTensor):
         scale = self._update_scales(amax.float().reshape(1, 1), torch.ones(1, device=amax.device))[1]
         scale = scale.reshape(amax.shape)
         return scale, reciprocal(scale)
+
+    def gemm_recipe(self):
+        # TE's DelayedScaling with its default HYBRID format: E4M3 activations, E5M2 gradients,
+        # each with its own amax history; fprop with fast accumulation (TE's _2X_ACC_FPROP=False).
+        same = dict(margin=self.margin, amax_history_len=self.amax_history_len, amax_compute_algo=self.amax_compute_algo)
+        return GemmRecipe(input=DelayedScaling(torch.float8_e4m3fn, **same), grad=DelayedScaling(torch.float8_e5m2, **same),
+                          fast_accum=(True, False, False), name="DelayedScaling(fp8_format=HYBRID)")
+
+    def operand_state(self, device):
+        return {"amax_history": torch.zeros(self.amax_history_len, device=device),
+                "scale": torch.ones(1, device=device)}
+
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+        """TE's delayed scaling of an activation or gradient: the cast uses the scale the history
+        gave so far and records its amax in ``history[0]``; the update TE runs when the autocast
+        region ends (forward) or after the backward (gradients) then rolls the history and gives
+        the next scale. Here that update follows each cast (the same, for a layer called once per
+        step). No amax all-reduce: TE reduces only over an explicit ``amax_reduction_group``."""
+        if state is None:
+            state = self.operand_state(hp.device)
+        scale = state["scale"].float().reshape(1)
+        planes = self._operand_planes(hp, scale, reciprocal(scale), rowwise, columnwise)
+        history = self.record_amax(state["amax_history"], self.block_amax(hp, ROWWISE))
+        history, scale = self.update_scale(history, scale)
+        return planes, {"amax_history": history, "scale": scale}
 
     def initial_scaling_state(self, current):
         history = torch.zeros(self.amax_history_len, device=current.scale_inv.device)
@@ -265,6 +326,17 @@ class CurrentScaling(_PerTensor):
             force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
         )
         return scale, reciprocal(scale)
+
+    def gemm_recipe(self):
+        # TE's Float8CurrentScaling with its default HYBRID format: E4M3 activations, E5M2
+        # gradients, the weight's QParams for both; fprop with fast accumulation (MMParams).
+        same = dict(force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        return GemmRecipe(input=CurrentScaling(torch.float8_e4m3fn, **same), grad=CurrentScaling(torch.float8_e5m2, **same),
+                          fast_accum=(True, False, False), name="Float8CurrentScaling(fp8_format=HYBRID)")
+
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+        scale, scale_inv = self.scale_from_amax(self.block_amax(hp, ROWWISE), ROWWISE)
+        return self._operand_planes(hp, scale.reshape(1), scale_inv, rowwise, columnwise), state
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):
         # The scale is a function of each tensor's amax alone: compute all of them in one go.

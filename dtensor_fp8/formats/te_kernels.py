@@ -20,7 +20,8 @@ recipe`` shows both):
 
 ``tests/gpu/test_te_kernels.py`` compares each fast path with the reference byte for byte on the
 GPU. MXFP8 has no fast path: TE's MXFP8 kernels need sm_100+ and cannot be checked on the H200
-(where TE's MXFP8 quantize writes nothing). ``DTENSOR_FP8_TE_KERNELS=0`` forces the reference.
+(where TE's MXFP8 quantize writes nothing); the Triton kernels (``triton_kernels.py``) cover it.
+``DTENSOR_FP8_TE_KERNELS=0`` turns TE's kernels off; ``reference_only()`` forces the reference.
 """
 
 from __future__ import annotations
@@ -62,25 +63,45 @@ def takes_input(hp: torch.Tensor) -> bool:
     return hp.dtype in _INPUT_DTYPES and usable(hp)
 
 
+#: The Triton fast path's switch (formats/triton_kernels.py), also turned off by reference_only().
+TRITON_SWITCH = "DTENSOR_FP8_TRITON"
+
+
+@contextlib.contextmanager
+def kernel_paths(*, te: bool, triton: bool):
+    """Within the block, the recipes' TE-kernel and Triton fast paths are on or off as given (tests
+    comparing paths, benchmarks timing each). Sets ``DTENSOR_FP8_TE_KERNELS`` and
+    ``DTENSOR_FP8_TRITON`` process-wide, so it is not meant for threads running other FP8 work
+    meanwhile.
+
+    Example:
+        >>> with kernel_paths(te=False, triton=True):
+        ...     q = dtensor_fp8.quantize(w.cuda(), dtensor_fp8.MXFP8())  # the Triton kernel
+    """
+    saved = {k: os.environ.get(k) for k in (ENV_SWITCH, TRITON_SWITCH)}
+    os.environ[ENV_SWITCH] = "1" if te else "0"
+    os.environ[TRITON_SWITCH] = "1" if triton else "0"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @contextlib.contextmanager
 def reference_only():
-    """Within the block every recipe runs its pure-torch reference, also on CUDA (tests comparing
-    the two paths, benchmarks timing both). Sets ``DTENSOR_FP8_TE_KERNELS=0`` process-wide, so
-    it is not meant for threads running other FP8 work meanwhile.
+    """Within the block every recipe runs its pure-torch reference, also on CUDA (neither TE's nor
+    the Triton kernels): :func:`kernel_paths` with both off.
 
     Example:
         >>> with reference_only():
         ...     ref = dtensor_fp8.quantize(w.cuda(), dtensor_fp8.CurrentScaling())
     """
-    before = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "0"
-    try:
+    with kernel_paths(te=False, triton=False):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_SWITCH, None)
-        else:
-            os.environ[ENV_SWITCH] = before
 
 
 def transpose_bytes(u8: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,10 @@ def assert_planes_equal(fast: d.Plane, ref: d.Plane, what: str) -> None:
 
 
 def _both(fn):
-    """``(fast, reference)`` results of ``fn()``."""
-    fast = fn()
+    """``(fast, reference)`` results of ``fn()``: TE's kernels only (the Triton path, which the
+    recipes try first, is checked by tests/gpu/test_triton_gpu.py), then the reference."""
+    with te_kernels.kernel_paths(te=True, triton=False):
+        fast = fn()
     with te_kernels.reference_only():
         ref = fn()
     return fast, ref
@@ -93,7 +95,8 @@ def test_requantize_from_hp_matches_reference(name, master_dtype):
     states_fast, states_ref = {}, {}
     for step in range(3):
         hps = [(w * (1.5 ** step) + 0.01 * step).to(master_dtype) for w in ws]
-        requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(fast_qs, hps))], states_fast)
+        with te_kernels.kernel_paths(te=True, triton=False):
+            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(fast_qs, hps))], states_fast)
         with te_kernels.reference_only():
             requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(ref_qs, hps))], states_ref)
         for i, (fast_q, ref_q) in enumerate(zip(fast_qs, ref_qs)):

@@ -1,0 +1,243 @@
+"""FP8 GEMMs of ``F.linear`` with a quantized weight (dtensor_fp8/gemm.py), on the CPU.
+
+torch 2.13's CPU ``_scaled_mm`` runs tensorwise FP8 GEMMs, so for the per-tensor recipes the whole
+FP8 linear runs here for real (``fp8_gemms("on")``): every operand handed to the GEMM is compared
+byte for byte with what the recipes give, the weight operands are the weight's own planes, and the
+outputs and gradients with the fp32 product of the dequantized operands. Block-scaled GEMMs have no
+CPU kernel: their scale layouts are checked against torch's own shape/stride rules (the meta
+kernel of ``scaled_mm``), and the MXFP8 swizzle against cuBLAS' layout formula.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtensor_fp8 as d
+from conftest import assert_bytes_equal
+from dtensor_fp8 import gemm
+from dtensor_fp8.formats.base import BlockShape
+from dtensor_fp8.formats.scaled_mm import SCALE_LAYOUTS, swizzle_32_4_4
+
+PER_TENSOR = {"delayed": d.DelayedScaling(), "current": d.CurrentScaling(),
+              "current_pow2": d.CurrentScaling(force_pow_2_scales=True)}
+M, K, TOKENS = 96, 160, 48  # multiples of 16: cuBLAS' FP8 alignment
+
+
+def _inputs(seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(M, K, generator=g) * torch.logspace(-1, 1, M)[:, None]).to(dtype)
+    x = (torch.randn(2, TOKENS // 2, K, generator=g) * 3).to(dtype)
+    dy = torch.randn(2, TOKENS // 2, M, generator=g).to(dtype)
+    return w, x, dy
+
+
+def _run(recipe, w, x, dy, bias=None):
+    q = d.quantize(w, recipe)
+    q.requires_grad_(True)
+    x = x.clone().requires_grad_(True)
+    with gemm.fp8_gemms("on"), gemm.recording() as log:
+        y = F.linear(x, q, bias)
+        y.backward(dy)
+    return q, x, y, log
+
+
+def _dequant(op: gemm.Operand) -> torch.Tensor:
+    """fp32 values of a tensorwise operand."""
+    return op.data.float() * op.scale_inv.float().reshape(())
+
+
+@pytest.mark.parametrize("name", list(PER_TENSOR))
+def test_per_tensor_operands_are_the_recipes_bytes(name):
+    recipe = PER_TENSOR[name]
+    w, x, dy = _inputs()
+    q, xg, y, log = _run(recipe, w, x, dy)
+    assert [e["gemm"] for e in log] == ["fprop", "dgrad", "wgrad"]
+    fprop, dgrad, wgrad = (e for e in log)
+    g = recipe.gemm_recipe()
+    assert g.input.fp8_dtype == torch.float8_e4m3fn and g.grad.fp8_dtype == torch.float8_e5m2  # TE's HYBRID
+    x2, dy2 = x.reshape(-1, K), dy.reshape(-1, M)
+    # Expected operand planes, from the recipes (a fresh delayed state: TE's initial scale 1.0).
+    xq, _ = g.input.quantize_operand(x2, rowwise=True, columnwise=True, state=g.input.operand_state(x.device))
+    dyq, _ = g.grad.quantize_operand(dy2, rowwise=True, columnwise=True, state=g.grad.operand_state(x.device))
+    xp, dyp = xq["rowwise"], dyq["rowwise"]
+    wp = q.plane("rowwise")
+    # fprop: x rowwise x the weight's rowwise plane, as stored (the same storage, no copy)
+    assert_bytes_equal(fprop["a"].data, xp.data, "fprop a")
+    assert_bytes_equal(fprop["a"].scale_inv, xp.scale_inv, "fprop a scale")
+    assert fprop["b"].data.data_ptr() == wp.data.data_ptr() and fprop["b"].scale_inv is wp.scale_inv
+    # dgrad: dy rowwise (E5M2) x the transpose cache of the weight's plane
+    assert dgrad["a"].data.dtype == torch.float8_e5m2
+    assert_bytes_equal(dgrad["a"].data, dyp.data, "dgrad a")
+    assert_bytes_equal(dgrad["b"].data, wp.data.t().contiguous(), "dgrad b = transpose cache")
+    assert q.transpose_cache is None, "the transpose cache is dropped after its one use"
+    # wgrad: both operands transposed bytes of the same planes (contraction over tokens)
+    assert_bytes_equal(wgrad["a"].data, dyp.data.t().contiguous(), "wgrad a")
+    assert_bytes_equal(wgrad["b"].data, xp.data.t().contiguous(), "wgrad b")
+    # Results: the fp32 product of the dequantized operands (torch's CPU kernel accumulates in fp32).
+    tol = dict(rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
+    torch.testing.assert_close(y.float().reshape(-1, M), _dequant(fprop["a"]) @ _dequant(fprop["b"]).t(), **tol)
+    torch.testing.assert_close(xg.grad.float().reshape(-1, K), _dequant(dgrad["a"]) @ _dequant(dgrad["b"]).t(), **tol)
+    torch.testing.assert_close(q.grad.float(), _dequant(wgrad["a"]) @ _dequant(wgrad["b"]).t(), **tol)
+    assert xg.grad.dtype == x.dtype and q.grad.dtype == q.dtype and q.grad.shape == q.shape
+
+
+def test_fp8_linear_agrees_with_the_emulated_linear():
+    """The FP8 linear (x and dy quantized too) against the emulated one (only W quantized), within
+    TE's own tolerance for FP8 GEMMs against a high-precision reference (TE tests/pytorch/utils.py
+    ``quantization_tols``: rtol 0.125, atol 0.0675), relative to each tensor's scale."""
+    w, x, dy = _inputs(1, torch.float32)
+    bias = torch.randn(M)
+    for recipe in PER_TENSOR.values():
+        q, xg, y, _ = _run(recipe, w, x, dy, bias)
+        qe = d.quantize(w, recipe).requires_grad_(True)
+        xe = x.clone().requires_grad_(True)
+        be = bias.clone().requires_grad_(True)
+        with gemm.fp8_gemms("off"):
+            ye = F.linear(xe, qe, be)
+            ye.backward(dy)
+        for got, ref in ((y, ye), (xg.grad, xe.grad), (q.grad, qe.grad)):
+            s = ref.abs().max()
+            torch.testing.assert_close(got / s, ref / s, rtol=0.125, atol=0.0675)
+
+
+def test_delayed_scaling_keeps_te_amax_history_per_weight():
+    """Step 1 casts x with TE's initial scale 1.0 and records its amax; the next step's scale is
+    fp8_max / max(history) (TE's update after the forward)."""
+    recipe = d.DelayedScaling(amax_history_len=4)
+    w, x, dy = _inputs(2)
+    q = d.quantize(w, recipe).requires_grad_(True)
+    scales = []
+    with gemm.fp8_gemms("on"), gemm.recording() as log:
+        for step in range(3):
+            xs = (x * (step + 1)).requires_grad_(True)
+            F.linear(xs, q).backward(dy)
+    scales = [e["a"].scale_inv.item() for e in log if e["gemm"] == "fprop"]
+    amax = [float((x * (s + 1)).float().abs().max()) for s in range(3)]
+    assert scales[0] == 1.0
+    assert scales[1] == pytest.approx(max(amax[:1]) / 448.0, rel=1e-6)
+    assert scales[2] == pytest.approx(max(amax[:2]) / 448.0, rel=1e-6)
+    states = gemm.operand_states(q)
+    assert states["input"]["amax_history"].shape == (4,) and states["grad"]["amax_history"].shape == (4,)
+    grad_scales = [e["a"].scale_inv.item() for e in log if e["gemm"] == "dgrad"]
+    assert grad_scales[0] == 1.0 and grad_scales[1] == pytest.approx(float(dy.float().abs().max()) / 57344.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [d.Blockwise(block_dims=2), d.Blockwise(block_dims=1)], ids=lambda r: r.name)
+def test_blockwise_scale_layouts_pass_torch_checks(recipe):
+    """Each GEMM's operands, laid out as gemm.scaled_mm hands them to F.scaled_mm, satisfy torch's
+    shape and stride rules for block scaling (its meta kernel; no CPU kernel exists)."""
+    t, m, k = 256, 384, 512
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
+    x, dy = torch.randn(t, k, generator=g), torch.randn(t, m, generator=g)
+    q = d.quantize(w, recipe)
+    gr = recipe.gemm_recipe()
+    xq, _ = gr.input.quantize_operand(x, rowwise=True, columnwise=True)
+    dyq, _ = gr.grad.quantize_operand(dy, rowwise=True, columnwise=True)
+    col = recipe.stored_usage("columnwise")
+    ops = {
+        "fprop": (gemm.operand(xq["rowwise"], gr.input.block_shape("rowwise"), 1),
+                  gemm.operand(q.plane("rowwise"), recipe.block_shape("rowwise"), 1)),
+        "dgrad": (gemm.operand(dyq["rowwise"], gr.grad.block_shape("rowwise"), 1),
+                  gemm.operand(q.planes[col], recipe.block_shape("columnwise"), 0)),
+        "wgrad": (gemm.operand(dyq["columnwise"], gr.grad.block_shape("columnwise"), 0),
+                  gemm.operand(xq["columnwise"], gr.input.block_shape("columnwise"), 0)),
+    }
+    expected_kinds = {"fprop": ("BlockWise1x128", "BlockWise128x128" if recipe.block_dims == 2 else "BlockWise1x128"),
+                      "dgrad": ("BlockWise1x128", "BlockWise128x128" if recipe.block_dims == 2 else "BlockWise1x128"),
+                      "wgrad": ("BlockWise1x128", "BlockWise1x128")}
+    S = F.ScalingType
+    for name, (a, b) in ops.items():
+        la, lb = SCALE_LAYOUTS[a.block], SCALE_LAYOUTS[b.block]
+        assert (la.kind, lb.kind) == expected_kinds[name], name
+        sa = la.scale(a.scale_inv, *a.data.shape, operand="a")
+        sb = lb.scale(b.scale_inv, *b.data.shape, operand="b")
+        meta = lambda t: t.to("meta")  # noqa: E731  (.to keeps the strides of a dense tensor)
+        assert meta(sa).stride() == sa.stride() and meta(sb).stride() == sb.stride()
+        out = F.scaled_mm(meta(a.data), meta(b.data).t(), meta(sa), getattr(S, la.kind), meta(sb), getattr(S, lb.kind),
+                          output_dtype=torch.bfloat16)
+        assert out.shape == (a.data.shape[0], b.data.shape[0]), name
+        # The scales hold the recipe's values at the block positions torch reads them from.
+        if la.kind == "BlockWise1x128":
+            assert torch.equal(sa, a.scale_inv)
+        if lb.kind == "BlockWise128x128":
+            assert torch.equal(sb[: b.scale_inv.shape[1]].t(), b.scale_inv)
+    # A row-major 1x128 scale is refused by torch: the layout above is not a formality.
+    a, b = ops["fprop"]
+    with pytest.raises(RuntimeError, match="stride"):
+        F.scaled_mm(a.data.to("meta"), b.data.to("meta").t(), a.scale_inv.contiguous().to("meta"), S.BlockWise1x128,
+                    SCALE_LAYOUTS[b.block].scale(b.scale_inv, *b.data.shape, operand="b").to("meta"),
+                    getattr(S, SCALE_LAYOUTS[b.block].kind), output_dtype=torch.bfloat16)
+
+
+def test_blockwise_dgrad_uses_the_transpose_and_columnwise_planes():
+    """dgrad's B operand: 128x128 -> the shared plane transposed, same grid transposed; 1x128 ->
+    the columnwise (128x1) plane transposed, so 1x128 blocks along M."""
+    w = torch.randn(256, 384)
+    for recipe in (d.Blockwise(block_dims=2), d.Blockwise(block_dims=1)):
+        q = d.quantize(w, recipe)
+        plane = q.plane("columnwise")
+        op = gemm.operand(plane, recipe.block_shape("columnwise"), 0)
+        assert_bytes_equal(op.data, plane.data.t().contiguous(), recipe.name)
+        assert torch.equal(op.scale_inv, plane.scale_inv.t())
+        assert op.block == (BlockShape(128, 128) if recipe.block_dims == 2 else BlockShape(1, 128))
+
+
+def test_mxfp8_scale_swizzle_matches_cublas_layout():
+    """swizzle_32_4_4 against cuBLAS' documented index formula for 1-D block scaling factors:
+    tiles of 128 rows x 4 columns, row tiles outer; inside a tile (r, c) at (r%32)*16 + (r//32)*4 + c."""
+    rows, cols = 200, 7
+    grid = torch.randint(1, 255, (rows, cols), dtype=torch.uint8)
+    out = swizzle_32_4_4(grid.view(torch.float8_e8m0fnu)).view(torch.uint8)
+    pr, pc = 256, 8
+    assert out.numel() == pr * pc
+    expected = torch.zeros(pr * pc, dtype=torch.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            tile = (r // 128) * (pc // 4) + c // 4
+            expected[tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4] = grid[r, c]
+    assert torch.equal(out, expected)
+
+
+def test_mxfp8_and_blockwise_fall_back_with_one_warning_each():
+    """Where torch has no kernel (here: block scaling on the CPU) the emulated linear runs, and says
+    so once per process and reason; ``off`` and the CPU default are silent."""
+    gemm._warned.clear()
+    w, x, dy = _inputs(4)
+    for recipe in (d.MXFP8(), d.Blockwise(block_dims=2)):
+        q = d.quantize(w, recipe)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with gemm.fp8_gemms("on"):
+                y1 = F.linear(x, q)
+                F.linear(x, q)
+            with gemm.fp8_gemms("auto"):
+                F.linear(x, q)  # the CPU default
+            with gemm.fp8_gemms("off"):
+                y2 = F.linear(x, q)
+        ours = [str(s.message) for s in seen if "dtensor_fp8" in str(s.message)]
+        assert len(ours) == 1 and "emulated linear" in ours[0] and "no cpu kernel" in ours[0], ours
+        assert torch.equal(y1, y2)
+
+
+def test_unsupported_shapes_run_the_emulated_linear():
+    w = torch.randn(40, 72)  # not multiples of 16
+    q = d.quantize(w, d.CurrentScaling()).requires_grad_(True)
+    x = torch.randn(8, 72, requires_grad=True)
+    with gemm.fp8_gemms("on"):
+        assert "divisible by 16" in gemm.unsupported_reason(x, q)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with gemm.recording() as log:
+                F.linear(x, q).sum().backward()
+    assert log == [] and x.grad is not None and q.grad.shape == q.shape
+
+
+def test_mode_switch_is_checked():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        with gemm.fp8_gemms("yes"):
+            pass
