@@ -40,7 +40,7 @@ class OpTable:
         ops = list(ops)
 
         def register(fn: Callable) -> Callable:
-            for op in ops:
+            for op in ops:  # all checked before any is registered: a refused call changes nothing
                 existing = self._impls.get(op)
                 if existing is not None:
                     raise ValueError(
@@ -48,6 +48,7 @@ class OpTable:
                         f"({existing.__module__}.{existing.__qualname__}); refusing a second one "
                         f"({fn.__module__}.{fn.__qualname__}). Each op is registered once, in dtensor_fp8/ops/."
                     )
+            for op in ops:
                 self._impls[op] = fn
             return fn
 
