@@ -3,14 +3,24 @@
 [Note: what each FSDP2 all-gather moves]
 ``fully_shard`` calls ``fsdp_pre_all_gather`` on each rank's local shard and
 ``fsdp_post_all_gather`` on the gathered buffers. We choose the *usages* to gather
-(:func:`fsdp_gather_usages`):
+(:func:`gather_usages`):
 
 * forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM);
 * backward gather: ``columnwise`` (input-gradient GEMM);
 * a group that does not reshard after forward (the root by default, ``reshard_after_forward=False``)
   gathers both in forward, because no backward gather will happen;
 * with activation checkpointing under the group, both, because the forward is recomputed inside
-  backward from the backward gather.
+  backward from the backward gather;
+* with a compiled module under the group (``block.compile()`` or ``torch.compile(block)`` before
+  ``fully_shard``, torchtitan's per-block compile), both, in forward *and* backward: a compiled
+  backward is traced together with its forward and reads the planes the forward's graph saved
+  (views of FSDP's all-gather buffers, which FSDP refills in place at the backward gather), so
+  both gathers must fill those buffers with the same planes. For per-tensor and 128x128 recipes
+  this costs nothing (one stored plane either way); MXFP8 and 1x128 move both planes twice.
+
+A module whose forward checkpoints or compiles in a way not detected here (``torch.utils.checkpoint``
+called inside ``forward``, a whole-model ``torch.compile`` over FSDP modules) is marked with
+:func:`gather_both_usages`.
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
 (only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
@@ -31,124 +41,114 @@ dropped after use, so it never outlives the unsharded parameter.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import sys
 import weakref
 from typing import Callable, NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
-from .ops import implements, slice_quantized
-from .placement import check_shardable
-from .te import TE_VIEW_ATTR
+from .ops.slicing import check_shardable, slice_quantized
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
 
 
-# ---- the one place that reads private FSDP2 state ---------------------------------------------------
-@functools.cache
-def _fsdp_private():
-    """FSDP2's private classes this module reads, and the code objects of ``FSDPParamGroup``'s
-    methods (imported once; FSDP2 is loaded by then)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+# ---- the state this module owns ------------------------------------------------------------------------
+# [Note: per-gather state]
+# A gather's bookkeeping is kept here, in weak maps keyed by the object it describes, never on the
+# tensors (a QuantizedTensor has exactly the fields tensor.py declares) or on FSDP's objects:
+#: local shard -> {(mesh, outer size, usages, module): [plan, last (inputs, metadata), planes they view]}
+_GATHER_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: local shard -> {(mesh, module): weakref to the FSDPParamGroup gathering it}
+_PARAM_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: unsharded parameter -> its own copies of per-tensor scales, by usage (see _shared_scale)
+_SHARED_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: FSDPParamGroup -> whether its gathers carry both planes (checkpointing or compile under it; found once)
+_GATHERS_BOTH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: owning module -> the function that turns its gathered planes into the unsharded parameter
+#: (see register_unsharded_view; te.py registers TE's tensor classes this way)
+_UNSHARDED_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
 
-    # Some methods are decorated (e.g. to disable dynamo): their frames run the wrapped function.
-    methods = [f for f in vars(FSDPParamGroup).values() if inspect.isfunction(f)]
-    codes = frozenset(g.__code__ for f in methods for g in (f, inspect.unwrap(f)))
-    return FSDPParamGroup, TrainingState, codes
 
+def register_unsharded_view(module: torch.nn.Module, view: Callable) -> None:
+    """Make FSDP2 gathers of ``module``'s FP8 parameters return ``view(...)`` as the unsharded
+    parameter instead of a :class:`QuantizedTensor` (the TE adapter's hook: ``te.py`` registers
+    TE tensors over the gathered buffers for TE modules).
 
-def _current_param_group():
-    """The ``FSDPParamGroup`` whose ``unshard`` is on the call stack (private FSDP2 API).
+    ``view(planes, recipe, shape, param_dtype, usages, out, orig_rows)`` is called by
+    ``fsdp_post_all_gather``: on the first gather (``out=None``) it returns
+    ``(tensor, inner_tensors_to_free)``; on later ones it updates ``out`` in place.
 
-    ``fsdp_pre_all_gather`` is called from ``FSDPParamGroup.unshard`` -> ``foreach_all_gather``
-    -> ``FSDPParam.all_gather_inputs`` (one rank: from ``FSDPParamGroup.wait_for_unshard``) in
-    torch 2.11 and 2.13; the hook's arguments do not include the group, and the group is what
-    knows the training state and whether it reshards.
+    Args:
+        module: the module owning the parameters.
+        view: the function described above.
+
+    Example:
+        >>> register_unsharded_view(te_linear, fsdp_te_view)
     """
-    group_cls, _, codes = _fsdp_private()
-    # Frames of FSDPParamGroup's methods first (reading ``f_locals`` copies a frame's locals on
-    # Python < 3.13), then, should another torch version wrap them differently, every frame.
-    for only_group_methods in (True, False):
-        frame = sys._getframe(1)
-        for _ in range(16):
-            if frame is None:
-                break
-            if not only_group_methods or frame.f_code in codes:
-                owner = frame.f_locals.get("self")
-                if isinstance(owner, group_cls):
-                    return owner
-            frame = frame.f_back
-    return None
+    _UNSHARDED_VIEWS[module] = view
 
 
-_CHECKPOINTING_ATTR = "_dtensor_fp8_uses_checkpointing"
-
-
-def _uses_activation_checkpointing(group) -> bool:
-    """Whether activation checkpointing runs under ``group``'s modules; found once per group (the
-    walk over every submodule is the costliest part of a gather's bookkeeping). Apply
-    checkpointing before the first forward, as torch's own FSDP2 + checkpoint recipes do."""
-    cached = getattr(group, _CHECKPOINTING_ATTR, None)
+def _gathers_both(group) -> bool:
+    """Whether every gather of ``group`` must carry both planes (see the note at the top); found
+    once per group (the walk over every submodule is the costliest part of a gather's
+    bookkeeping). Apply checkpointing and compile before the first forward, as torch's own
+    FSDP2 recipes and torchtitan do."""
+    cached = _GATHERS_BOTH.get(group)
     if cached is None:
-        cached = _find_activation_checkpointing(group)
-        setattr(group, _CHECKPOINTING_ATTR, cached)
+        cached = _GATHERS_BOTH[group] = _find_gather_both(group)
     return cached
 
 
-def _find_activation_checkpointing(group) -> bool:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    try:
-        from torch.distributed._composable.checkpoint_activation import checkpoint as composable_ckpt
-    except ImportError:  # pragma: no cover
-        composable_ckpt = None
-    for root in getattr(group, "modules", ()):
+def _find_gather_both(group) -> bool:
+    wrapper_cls = _compat.checkpoint_wrapper_class()
+    for root in _compat.fsdp_group_modules(group):
         for m in root.modules():
-            if isinstance(m, CheckpointWrapper) or getattr(m, GATHER_BOTH_ATTR, False):
+            if isinstance(m, wrapper_cls) or getattr(m, GATHER_BOTH_ATTR, False):
                 return True
-            if composable_ckpt is not None and composable_ckpt.state(m) is not None:
+            if _compat.uses_composable_checkpoint(m) or _compat.is_compiled_module(m):
                 return True
     return False
 
 
-def fsdp_gather_usages() -> tuple[str, ...]:
-    """Usages the FSDP2 all-gather in progress must deliver (see the note at the top)."""
-    return _usages_for(_current_param_group())
+def gather_usages(group) -> tuple[str, ...]:
+    """Usages the FSDP2 all-gather of ``group`` must deliver (see the note at the top).
 
+    Args:
+        group: the ``FSDPParamGroup`` gathering (``None``: outside FSDP's unshard, deliver both).
 
-def _usages_for(group) -> tuple[str, ...]:
-    """:func:`fsdp_gather_usages` for the gather of ``group`` (``None``: outside FSDP's unshard)."""
-    in_backward = torch._C._current_graph_task_id() != -1
-    if group is None:  # called outside FSDP's unshard: deliver everything
+    Example:
+        >>> gather_usages(_compat.fsdp_param_group_of(linear))   # ("rowwise",) in forward
+    """
+    if group is None:
         return (ROWWISE, COLUMNWISE)
-    TrainingState = _fsdp_private()[1]
-    in_backward = in_backward or group._training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-    if _uses_activation_checkpointing(group):
+    if _gathers_both(group):
         return (ROWWISE, COLUMNWISE)
-    if in_backward:
+    if _compat.in_backward() or _compat.fsdp_group_in_backward(group):
         return (COLUMNWISE,)
-    if group.post_forward_mesh_info is None:  # no reshard after forward: no backward gather follows
+    if not _compat.fsdp_group_reshards_after_forward(group):  # no backward gather follows
         return (ROWWISE, COLUMNWISE)
     return (ROWWISE,)
 
 
 #: Set this attribute to True on a module whose forward runs activation checkpointing by itself
-#: (``torch.utils.checkpoint.checkpoint`` inside ``forward``) so its FP8 weights are gathered with
-#: both planes. ``checkpoint_wrapper`` and composable ``checkpoint`` are detected without it.
+#: (``torch.utils.checkpoint.checkpoint`` inside ``forward``) or runs compiled without being a
+#: compiled module itself, so its FP8 weights are gathered with both planes. ``checkpoint_wrapper``,
+#: composable ``checkpoint``, ``module.compile()`` and ``torch.compile(module)`` are detected without it.
 GATHER_BOTH_ATTR = "_dtensor_fp8_gather_both"
 
 
 def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     """Mark ``module`` so FSDP gathers of its FP8 weights carry both planes.
 
-    Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself.
-    Call it before the first forward: each FSDP group looks for checkpointing once.
+    Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself, or
+    when it runs compiled without ``module.compile()`` / ``torch.compile(module)`` on it or below
+    it (e.g. ``torch.compile`` of a whole model whose blocks are ``fully_shard``-ed). Call it
+    before the first forward: each FSDP group looks for these once.
 
     Example:
         >>> dtensor_fp8.gather_both_usages(block); fully_shard(block)
@@ -212,9 +212,10 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    # TE adapter hook (dtensor_fp8/te.py): modules marked by quantize_te_module_ get TE tensors.
-    te_view = vars(module).get(TE_VIEW_ATTR) if module is not None else None
-    fp8_dtypes = tuple(q._planes[u].data.dtype if u in q._planes else q.recipe.fp8_dtype for u in stored)
+    # The unsharded-view hook of the owning module (register_unsharded_view; TE modules via te.py).
+    te_view = _UNSHARDED_VIEWS.get(module) if module is not None else None
+    planes = q.planes
+    fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
     shard_view = world == 1 and te_view is not None and te_view.views_shard(q)  # same for both directions
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
                        _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes, shard_view)
@@ -230,24 +231,25 @@ def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size
 
 
 def _param_group_of(q: QuantizedTensor, mesh, module):
-    """The FSDPParamGroup gathering ``q`` (found on the call stack once, then kept on the local
-    shard: a parameter's group is fixed when ``fully_shard`` runs)."""
-    groups = q.__dict__.setdefault("_fsdp_groups", {})
+    """The FSDPParamGroup gathering ``q``: from FSDP2's module state (see the note in _compat.py),
+    else from the call stack; found once per (mesh, module) and kept (a parameter's group is
+    fixed when ``fully_shard`` runs)."""
+    groups = _PARAM_GROUPS.setdefault(q, {})
     key = (id(mesh), id(module))
     ref = groups.get(key)
     group = ref() if ref is not None else None
     if group is None:
-        group = _current_param_group()
+        group = _compat.fsdp_param_group_of(module) or _compat.fsdp_param_group_on_stack()
         if group is not None:
             groups[key] = weakref.ref(group)
     return group
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
-    usages = _usages_for(_param_group_of(self, mesh, module))
-    # The same few gathers repeat every step; their plans are kept on the (persistent) local
-    # shard, keyed by the mesh object FSDP holds for the parameter's lifetime.
-    plans = self.__dict__.setdefault("_gather_plans", {})
+    usages = gather_usages(_param_group_of(self, mesh, module))
+    # The same few gathers repeat every step; their plans are kept per (persistent) local shard,
+    # keyed by the mesh object FSDP holds for the parameter's lifetime.
+    plans = _GATHER_PLANS.setdefault(self, {})
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
@@ -256,8 +258,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         if entry[0].shard_view:  # the same (empty) input every time
             entry[1], entry[2] = _shard_view_gather(self, entry[0], usages, key[1]), ()
     plan, last, last_planes = entry
-    if last is not None and all(self._planes.get(u) is pl for u, pl in last_planes):
-        # The same plane objects as last time (an optimizer step rewrites them in place): the
+    if last is not None and _same_plane_tensors(self, last_planes):
+        # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return last
     world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes, _ = plan
@@ -265,8 +267,9 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     if pad_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, pad_rows])
     inputs, shared_scales = [], {}
+    local_planes = local.planes
     for usage in stored:
-        plane = local._planes[usage]
+        plane = local_planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
         if usage in sent_scales:
             scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
@@ -286,14 +289,17 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         return (packed,), metadata._replace(packed_layout=layout)
     result = tuple(inputs), metadata
     if not pad_rows and not sent_scales and all(
-            t.data_ptr() == local._planes[u].data.data_ptr() for u, t in zip(stored, inputs, strict=True)):
+            t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(stored, inputs, strict=True)):
         # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
-        entry[1], entry[2] = result, tuple((u, local._planes[u]) for u in stored)
+        entry[1], entry[2] = result, tuple((u, *local_planes[u].tensors()) for u in stored)
     return result
 
 
-#: Attribute of an unsharded parameter: its copies of per-tensor scales, by usage, kept across gathers.
-_SHARED_SCALES_ATTR = "_dtensor_fp8_shared_scales"
+def _same_plane_tensors(q: QuantizedTensor, kept) -> bool:
+    """Whether ``q`` still holds the very tensors ``kept`` lists as ``(usage, data, scale_inv)``."""
+    planes = q.planes
+    return all(u in planes and planes[u].data is data and planes[u].scale_inv is scale
+               for u, data, scale in kept)
 
 
 def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
@@ -301,7 +307,7 @@ def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
     at the first gather): like the gathered bytes, a copy, so an unsharded weight that outlives an
     optimizer step never pairs its old bytes with the shard's new scale. Later gathers overwrite
     the copy in place (no allocation)."""
-    kept = out.__dict__.get(_SHARED_SCALES_ATTR) if out is not None else None
+    kept = _SHARED_SCALES.get(out) if out is not None else None
     copy = kept.get(usage) if kept is not None else None
     if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
         return live.clone()
@@ -311,7 +317,7 @@ def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
 def _keep_shared_scales(tensor, planes: dict, shared_scales: dict) -> None:
     """Remember on the unsharded parameter which scale tensors are its own copies."""
     if shared_scales:
-        tensor.__dict__[_SHARED_SCALES_ATTR] = {u: planes[u].scale_inv for u in shared_scales}
+        _SHARED_SCALES[tensor] = {u: planes[u].scale_inv for u in shared_scales}
 
 
 def _padded_nbytes(t: torch.Tensor) -> int:
@@ -341,7 +347,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
-    out_local = getattr(out, "_local_tensor", out)
+    out_local = _compat.dtensor_local(out) if out is not None else None
     full_rows = padded_rows * world
     planes, i = {}, 0
     for usage, fp8_dtype in zip(stored, fp8_dtypes):
@@ -363,7 +369,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         result = te_view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, orig_rows)
         _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
         return result
-    gathered = QuantizedTensor(planes, self.recipe, (full_rows, k), param_dtype, usages)
+    gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
@@ -407,19 +413,3 @@ class _PreAllGatherHook:
 
 QuantizedTensor.fsdp_pre_all_gather = _PreAllGatherHook()
 QuantizedTensor.fsdp_post_all_gather = fsdp_post_all_gather
-
-
-@implements([aten.as_strided.default])
-def _as_strided(func, args, kwargs):
-    """FSDP2 un-pads the gathered parameter with ``as_strided(full, orig_size, contiguous, 0)``."""
-    q, size, stride = args[0], list(args[1]), list(args[2])
-    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0) or 0
-    contiguous = [size[1], 1] if len(size) == 2 else None
-    if len(size) != 2 or offset != 0 or stride != contiguous or size[1] != q.shape[1] or size[0] > q.shape[0]:
-        raise RecipeError(
-            f"{q.recipe.name}: as_strided{tuple(size), tuple(stride), offset} on a quantized weight of shape "
-            f"{tuple(q.shape)}: only a leading-rows view (FSDP's un-padding) is supported"
-        )
-    out = slice_quantized(q, 0, 0, size[0])
-    out._transpose = q._transpose if size[0] == q.shape[0] else None
-    return out

@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from . import _compat
 from .formats.base import USAGES, Recipe, RecipeError
-from .ops import chunk_of
+from .ops.slicing import check_shardable, chunk_of, shard_boundaries  # noqa: F401  (check_shardable: public here)
 from .quantize import quantize
 from .tensor import QuantizedTensor
 
@@ -34,7 +35,7 @@ from .tensor import QuantizedTensor
 def shard_dim(placement: Placement) -> int | None:
     """The tensor dim a placement shards: ``Shard(d)`` and FSDP's ``_StridedShard(d)`` on a
     (dp, tp) mesh (whose ``is_shard()`` is False in torch 2.13); ``None`` otherwise."""
-    if isinstance(placement, (Shard, _StridedShard)) or placement.is_shard():
+    if isinstance(placement, (Shard, _compat.strided_shard_class())) or placement.is_shard():
         return placement.dim
     return None
 
@@ -50,41 +51,6 @@ def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(ref, DTensor):
         return local
     return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
-
-
-def shard_boundaries(size: int, num_chunks: int) -> list[int]:
-    """Interior boundaries torch's ``Shard`` puts along a dim (``torch.chunk`` rule)."""
-    chunk = -(-size // num_chunks) if size else 0
-    return [i * chunk for i in range(1, num_chunks) if 0 < i * chunk < size]
-
-
-def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
-    """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block.
-
-    Args:
-        shape: the global shape.
-        recipe: the recipe.
-        dim: the sharded dim.
-        num_chunks: ranks along that mesh dim.
-        usages: usages whose stored planes must stay whole.
-
-    Example:
-        >>> check_shardable((96, 64), MXFP8(), 0, 2)   # raises: row 48 is inside a 32-row block
-    """
-    align = recipe.shard_alignment(dim, usages)
-    size = shape[dim]
-    bad = [b for b in shard_boundaries(size, num_chunks) if b % align]
-    if not bad:
-        return
-    ok_worlds = [w for w in range(1, 17) if all(b % align == 0 for b in shard_boundaries(size, w))]
-    padded = -(-size // (align * num_chunks)) * align * num_chunks
-    raise RecipeError(
-        f"{recipe.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
-        f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
-        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}). Fix: use a world size whose "
-        f"chunks are multiples of {align} (for this shape: {ok_worlds}), or pad dim {dim} to {padded}, "
-        f"or keep this layer in high precision."
-    )
 
 
 def check_placements(q_shape, recipe: Recipe, mesh: DeviceMesh, placements, usages=USAGES) -> None:

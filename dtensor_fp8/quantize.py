@@ -50,12 +50,12 @@ def quantize(
     # One call for all stored planes: recipes with a fused kernel write them from one read of x.
     planes = recipe.quantize_planes(x2d, recipe.stored_usages(rowwise, columnwise), scale=scale)
     usages = tuple(u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
-    q = QuantizedTensor(planes, recipe, matrix, x.dtype, usages)
+    q = QuantizedTensor.from_planes(planes, recipe, matrix, x.dtype, usages)
     return q if len(x.shape) == 2 else _reshaped(q, x.shape)
 
 
 def _reshaped(q: QuantizedTensor, shape) -> QuantizedTensor:
-    return QuantizedTensor(q._planes, q.recipe, shape, q.dtype, q.usages)
+    return q.rebuild(shape=shape)
 
 
 def te_layout(q: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -73,4 +73,4 @@ def te_layout(q: QuantizedTensor) -> dict[str, torch.Tensor]:
         >>> bufs = dtensor_fp8.te_layout(dtensor_fp8.quantize(w, dtensor_fp8.Blockwise(block_dims=1)))
         >>> bufs["_rowwise_scale_inv"].shape  # (ceil(K/128), roundup(M, 4))
     """
-    return q.recipe.te_layout(q._planes, tuple(q.shape), q.usages)
+    return q.recipe.te_layout(q.planes, tuple(q.shape), q.usages)

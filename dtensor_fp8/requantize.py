@@ -67,7 +67,7 @@ class _RequantizePlan:
         for name, p, hp in items:
             q = local_tensor(p)
             sharded = _sharded_dims(p)
-            for usage in q._planes:
+            for usage in q.planes:
                 # Only blocks that span a sharded dim need their amax now (to reduce it); the recipe
                 # computes the others itself, fused into its quantization where it can.
                 if any(q.recipe.spans_dim(usage, d) for d in sharded):
@@ -79,7 +79,7 @@ class _RequantizePlan:
         # One batch per (recipe, plane) for all its tensors: per-tensor scales are computed together.
         self.batches: dict = {}
         for i, (name, q, hp, usage) in enumerate(jobs):
-            plane = q._planes[usage]
+            plane = q.planes[usage]
             state = None
             if scaling_states is not None:
                 state = scaling_states.get((name, usage))
@@ -131,7 +131,7 @@ def _fingerprint(items, scaling_states: dict | None) -> tuple:
     for name, p, hp in items:
         q = local_tensor(p)
         out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
-        for usage, plane in q._planes.items():
+        for usage, plane in q.planes.items():
             out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
             state = scaling_states.get((name, usage)) if scaling_states is not None else None
             if state is not None:

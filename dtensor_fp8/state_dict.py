@@ -146,7 +146,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
             )
         planes[usage] = Plane(data.to(plane.data.device).view(plane.data.dtype),
                               scale.to(plane.data.device).view(plane.scale_inv.dtype))
-    loaded = QuantizedTensor(planes, q.recipe, shape, q.dtype, q.usages)
+    loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
     return like(param, loaded)

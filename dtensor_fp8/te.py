@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._compat import dtensor_local
 from .formats import RECIPES
 from .formats import te_import
 from .formats.base import COLUMNWISE, ROWWISE, Recipe, RecipeError, as_matrix_shape
@@ -61,13 +62,9 @@ from .formats.te_binding import SCALE_INV, TEBinding, te_quantizer, te_recipe_fo
 from .tensor import QuantizedTensor
 
 __all__ = [
-    "FSDP_TE_VIEW", "TE_VIEW_ATTR", "from_te_tensor", "quantize_te_module_", "recipe_from_te", "te_buffers",
+    "FSDP_TE_VIEW", "from_te_tensor", "quantize_te_module_", "recipe_from_te", "te_buffers",
     "te_quantizer", "te_recipe_for", "to_te_tensor", "update_te_tensor_",
 ]
-
-#: Module attribute set by :func:`quantize_te_module_`: the FSDP2 all-gather of this module's FP8
-#: parameters returns TE tensors (see ``fsdp.py``). Its value is :data:`FSDP_TE_VIEW`.
-TE_VIEW_ATTR = "_dtensor_fp8_te_view"
 
 
 # ---- TE -> our recipe ---------------------------------------------------------------------------------
@@ -283,7 +280,7 @@ def from_te_tensor(t, *, dtype: torch.dtype | None = None) -> QuantizedTensor:
         bufs[buf.name] = value
     planes, usages = b.planes_from(recipe, bufs, shape)
     # TE's transpose cache is not carried over: it is rebuilt from the shared bytes when needed.
-    return QuantizedTensor(planes, recipe, as_matrix_shape(shape), dtype or t.dtype, usages)
+    return QuantizedTensor.from_planes(planes, recipe, as_matrix_shape(shape), dtype or t.dtype, usages)
 
 
 # ---- FSDP2's unsharded parameter of a TE module ------------------------------------------------------
@@ -319,7 +316,7 @@ class TEUnshardedView:
             shape = tuple(shard.shape)
             bufs = recipe.te_binding.layout(recipe, planes, shape, usages)
             return _new_te_tensor(recipe, bufs, shape, dtype, shard.device, usages, scale_inv=_scale_inv_of(planes)), ()
-        t = out._local_tensor if isinstance(out, DTensor) else out  # DTensor under tensor parallelism
+        t = dtensor_local(out)  # DTensor under tensor parallelism
         state = _view_state(t)
         plan = state.plans.get(usages)
         if plan is None or not self._plan_holds(plan, planes):
@@ -378,16 +375,16 @@ class TEUnshardedView:
         ``out``'s buffers in place and returns ``None``; it builds no QuantizedTensor unless rows
         of a padded last shard must be cut off.
         """
-        from .ops import slice_quantized
+        from .ops.slicing import slice_quantized
 
         if out is not None and shape[0] == orig_rows:
-            _point_te_tensor(getattr(out, "_local_tensor", out), recipe, planes, shape, usages)
+            _point_te_tensor(dtensor_local(out), recipe, planes, shape, usages)
             return None
-        gathered = QuantizedTensor(planes, recipe, shape, dtype, usages)
+        gathered = QuantizedTensor.from_planes(planes, recipe, shape, dtype, usages)
         if shape[0] != orig_rows:
             gathered = slice_quantized(gathered, 0, 0, orig_rows)
         if out is not None:
-            update_te_tensor_(getattr(out, "_local_tensor", out), gathered)
+            update_te_tensor_(dtensor_local(out), gathered)
             return None
         return to_te_tensor(gathered), ()
 
@@ -437,8 +434,9 @@ def quantize_te_module_(
         >>> quantize_te_module_(model, dtensor_fp8.CurrentScaling())
         >>> for layer in model.layers: fully_shard(layer)
     """
-    from .state_dict import register_state_dict_hooks
+    from .fsdp import register_unsharded_view
     from .module import HP_INIT_ATTR
+    from .state_dict import register_state_dict_hooks
 
     hp_init = getattr(module, HP_INIT_ATTR, {})
     for fqn, sub in module.named_modules():
@@ -468,7 +466,7 @@ def quantize_te_module_(
                 hp_init[full] = init.detach().to("cpu", copy=True)
             converted = True
         if converted:
-            setattr(sub, TE_VIEW_ATTR, FSDP_TE_VIEW)
+            register_unsharded_view(sub, FSDP_TE_VIEW)  # FSDP2 gathers of sub's weights give TE tensors
             register_state_dict_hooks(sub)
     setattr(module, HP_INIT_ATTR, hp_init)
     return module

@@ -10,15 +10,19 @@ A tensor may hold a subset of the planes: FSDP's forward gather produces one wit
 plane, the backward gather one with only the columnwise plane. Reading a plane the tensor does not
 hold raises; it is never recomputed from high precision behind the caller's back.
 
-Every aten op it supports is in ``ops.py`` (the op table); anything else raises with the fix.
+Every aten op it supports is in the op table (``op_table.py``, filled by ``dtensor_fp8/ops/``);
+anything else raises with the fix.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
+from .op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS
 
 
 def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -27,43 +31,109 @@ def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
+#: The inner-tensor attributes of a :class:`QuantizedTensor`, per stored plane: FP8 data and scale_inv.
+PLANE_ATTRS = {usage: (f"{usage}_data", f"{usage}_scale_inv") for usage in USAGES}
+
+
 class QuantizedTensor(torch.Tensor):
     """FP8 planes + recipe, looking like a high-precision tensor of ``dtype`` and ``shape``.
 
-    Build one with :func:`dtensor_fp8.quantize`; the constructor takes planes already made.
+    Build one with :func:`dtensor_fp8.quantize`, or from planes already made with
+    :meth:`from_planes`. The constructor takes the inner tensors themselves (``None`` for a plane
+    not held), so that torch.compile can build one inside a graph.
 
     Args:
-        planes: stored planes by usage (``"rowwise"`` / ``"columnwise"``), logical orientation.
+        rowwise_data, rowwise_scale_inv: the rowwise plane (logical orientation), or ``None``.
+        columnwise_data, columnwise_scale_inv: the columnwise plane, or ``None``.
         recipe: the recipe object that made them.
-        shape: logical shape (2-D).
+        shape: logical shape.
         dtype: nominal high-precision dtype (what ``dequantize()`` returns by default).
-        usages: which usages this tensor can serve; defaults to what ``planes`` allow.
+        usages: which usages this tensor can serve; defaults to what the planes allow.
         transpose: optional transpose cache (transpose-derived recipes only).
+        requires_grad: as for any tensor.
+
+    Example:
+        >>> plane = MXFP8().quantize_plane(torch.randn(64, 64), "rowwise")
+        >>> q = QuantizedTensor(plane.data, plane.scale_inv, None, None, MXFP8(), (64, 64), torch.float32)
     """
 
-    _planes: dict[str, Plane]
-    _recipe: Recipe
-    _usages: tuple[str, ...]
-    _transpose: torch.Tensor | None
+    # [Note: the fields of a QuantizedTensor]
+    # These are all of its fields; nothing else is attached to an instance (caches that belong
+    # to a gather live with their owner: fsdp.py and ops/ keep weak maps keyed by the tensor).
+    # The inner tensors are plain attributes, named by ``__tensor_flatten__``: torch.compile
+    # (dynamo, AOTAutograd) takes a QuantizedTensor apart into them and rebuilds it with
+    # ``__tensor_unflatten__``; an absent plane is ``None`` and not listed. The recipe, usages and
+    # nominal dtype are constant metadata (the flatten context: a compiled graph is specialized on
+    # them, and a tensor holding other usages compiles another graph). :meth:`repoint_` is the one
+    # way to change what a tensor holds after construction. The transpose cache is an eager-side
+    # cache of TE's physical layout, not traced state: it is not flattened, so compiled code reads
+    # the shared plane (the same values, see :meth:`columnwise_matrix`).
+    rowwise_data: torch.Tensor | None  #: rowwise plane: FP8 data (M, K)
+    rowwise_scale_inv: torch.Tensor | None  #: rowwise plane: its block scales
+    columnwise_data: torch.Tensor | None  #: columnwise plane (MXFP8, 1x128 blockwise): FP8 data (M, K)
+    columnwise_scale_inv: torch.Tensor | None  #: columnwise plane: its block scales
+    _transpose: torch.Tensor | None  #: transpose cache: TE's (K, M) copy of the shared plane
+    _recipe: Recipe  #: the recipe that made the planes
+    _usages: tuple[str, ...]  #: usages this tensor serves, in USAGES order
 
     @staticmethod
-    def __new__(cls, planes, recipe, shape, dtype, usages=None, transpose=None, requires_grad=False):
-        if not planes:
+    def __new__(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
+                usages=None, transpose=None, requires_grad=False):
+        some = rowwise_data if rowwise_data is not None else columnwise_data
+        if some is None:
             raise RecipeError(f"{recipe.name}: a QuantizedTensor needs at least one plane")
-        some = next(iter(planes.values())).data
         return torch.Tensor._make_wrapper_subclass(
             cls, torch.Size(shape), dtype=dtype, device=some.device, requires_grad=requires_grad
         )
 
-    def __init__(self, planes, recipe, shape, dtype, usages=None, transpose=None, requires_grad=False):
-        self._planes = dict(planes)
+    def __init__(self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
+                 usages=None, transpose=None, requires_grad=False):
         self._recipe = recipe
+        planes = {}
+        if rowwise_data is not None:
+            planes[ROWWISE] = Plane(rowwise_data, rowwise_scale_inv)
+        if columnwise_data is not None:
+            planes[COLUMNWISE] = Plane(columnwise_data, columnwise_scale_inv)
+        self._set_planes(planes, usages, transpose)
+
+    @classmethod
+    def from_planes(cls, planes: dict[str, Plane], recipe: Recipe, shape, dtype: torch.dtype,
+                    usages: tuple[str, ...] | None = None, transpose: torch.Tensor | None = None,
+                    requires_grad: bool = False) -> "QuantizedTensor":
+        """A QuantizedTensor holding ``planes`` (stored planes by usage, logical orientation).
+
+        Args:
+            planes: ``{"rowwise": Plane, "columnwise": Plane}``, either or both.
+            recipe, shape, dtype, usages, transpose, requires_grad: as for the constructor.
+
+        Example:
+            >>> q = QuantizedTensor.from_planes({"rowwise": plane}, MXFP8(), (64, 64), torch.float32)
+        """
+        unknown = set(planes) - set(USAGES)
+        if unknown:
+            raise RecipeError(f"{recipe.name}: unknown plane(s) {sorted(unknown)}; planes are {USAGES}")
+        row, col = planes.get(ROWWISE), planes.get(COLUMNWISE)
+        return cls(
+            None if row is None else row.data, None if row is None else row.scale_inv,
+            None if col is None else col.data, None if col is None else col.scale_inv,
+            recipe, shape, dtype, usages, transpose, requires_grad,
+        )
+
+    def _set_planes(self, planes: dict[str, Plane], usages, transpose) -> None:
+        recipe = self._recipe
+        unknown = set(planes) - set(USAGES)
+        if unknown:
+            raise RecipeError(f"{recipe.name}: unknown plane(s) {sorted(unknown)}; planes are {USAGES}")
         if usages is None:
-            usages = tuple(u for u in USAGES if recipe.stored_usage(u) in self._planes)
-        self._usages = tuple(u for u in USAGES if u in usages)
-        for u in self._usages:
-            if recipe.stored_usage(u) not in self._planes:
+            usages = tuple(u for u in USAGES if recipe.stored_usage(u) in planes)
+        for u in usages:
+            if recipe.stored_usage(u) not in planes:
                 raise RecipeError(f"{recipe.name}: usage {u!r} needs the {recipe.stored_usage(u)!r} plane, which is absent")
+        for usage, (data_attr, scale_attr) in PLANE_ATTRS.items():
+            plane = planes.get(usage)
+            setattr(self, data_attr, None if plane is None else plane.data)
+            setattr(self, scale_attr, None if plane is None else plane.scale_inv)
+        self._usages = tuple(u for u in USAGES if u in usages)
         self._transpose = transpose
 
     # ---- accessors --------------------------------------------------------------------------------
@@ -78,18 +148,39 @@ class QuantizedTensor(torch.Tensor):
 
     @property
     def planes(self) -> dict[str, Plane]:
-        return dict(self._planes)
+        """The stored planes by usage (a new dict of :class:`Plane` views of the inner tensors)."""
+        out = {}
+        for usage, (data_attr, scale_attr) in PLANE_ATTRS.items():
+            data = getattr(self, data_attr)
+            if data is not None:
+                out[usage] = Plane(data, getattr(self, scale_attr))
+        return out
 
     def plane(self, usage: str) -> Plane:
-        """The stored plane that serves ``usage``; raises if this tensor does not hold it."""
+        """The stored plane that serves ``usage``; raises if this tensor does not hold it.
+
+        Args:
+            usage: ``"rowwise"`` or ``"columnwise"``.
+
+        Example:
+            >>> q.plane("rowwise").scale_inv.shape   # the rowwise block grid
+        """
         stored = self._recipe.stored_usage(usage)
-        if usage not in self._usages or stored not in self._planes:
+        data_attr, scale_attr = PLANE_ATTRS[stored]
+        data = getattr(self, data_attr)
+        if usage not in self._usages or data is None:
+            hint = ""
+            if torch.compiler.is_compiling():
+                hint = (" Under torch.compile a compiled backward reads the planes its forward saw: with "
+                        "fully_shard, compile each block before fully_shard (block.compile()), or mark the "
+                        "fully_shard-ed module with dtensor_fp8.gather_both_usages(module).")
             raise RecipeError(
                 f"{self._recipe.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
                 f"{self._usages}, not {usage!r}. Gather/quantize with {usage} usage enabled "
                 "(e.g. quantize(..., columnwise=True)); planes are never rebuilt from high precision implicitly."
+                + hint
             )
-        return self._planes[stored]
+        return Plane(data, getattr(self, scale_attr))
 
     def dequantize(self, dtype: torch.dtype | None = None, usage: str | None = None) -> torch.Tensor:
         """High-precision values from one plane (rowwise when held, else columnwise).
@@ -118,12 +209,7 @@ class QuantizedTensor(torch.Tensor):
         Example:
             >>> unsharded.repoint_(gathered.planes, gathered.usages)
         """
-        if usages is None:
-            usages = tuple(u for u in USAGES if self._recipe.stored_usage(u) in planes)
-        for u in usages:
-            if self._recipe.stored_usage(u) not in planes:
-                raise RecipeError(f"{self._recipe.name}: usage {u!r} needs the {self._recipe.stored_usage(u)!r} plane, which is absent")
-        self._planes, self._usages, self._transpose = dict(planes), tuple(u for u in USAGES if u in usages), transpose
+        self._set_planes(planes, usages, transpose)
         return self
 
     # ---- transpose cache ----------------------------------------------------------------------------
@@ -133,28 +219,50 @@ class QuantizedTensor(torch.Tensor):
         return self._transpose
 
     def create_transpose_cache(self) -> torch.Tensor | None:
-        """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent."""
+        """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent.
+
+        Example:
+            >>> q.create_transpose_cache().shape   # (K, M)
+        """
         if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:
-            self._transpose = self._recipe.transpose_cache(self._planes[ROWWISE])
+            self._transpose = self._recipe.transpose_cache(self.plane(COLUMNWISE))  # the shared plane
         return self._transpose
 
     def discard_transpose_cache(self) -> None:
-        self._transpose = None
+        """Drop the transpose cache (after its one use, or when the planes change)."""
+        if self._transpose is not None:  # no write otherwise: compiled code runs this as a no-op
+            self._transpose = None
 
     def columnwise_matrix(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized ``(M, K)`` values as the backward GEMM reads them: from the columnwise
-        plane, or for transpose-derived recipes from the transpose cache (built if missing)."""
-        if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages:
-            transposed = self.create_transpose_cache()
-            plane = self._planes[ROWWISE]
-            return self._recipe.decode(transposed.t(), plane.scale_inv, COLUMNWISE, dtype)
+        plane, or for transpose-derived recipes from the transpose cache when it is built, else
+        from the shared plane directly (the same values; nothing is built or stored here, so this
+        is a pure function of the planes and compiles).
+
+        Args:
+            dtype: output dtype.
+
+        Example:
+            >>> grad_x = grad_out @ q.columnwise_matrix(grad_out.dtype)
+        """
+        if self._recipe.columnwise_is_transpose:
+            plane = self.plane(COLUMNWISE)  # the shared plane; raises if COLUMNWISE is not served
+            data = plane.data if self._transpose is None else self._transpose.t()
+            return self._recipe.decode(data, plane.scale_inv, COLUMNWISE, dtype)
         return self.dequantize(dtype, COLUMNWISE)
 
     # ---- construction helpers -------------------------------------------------------------------
-    def _rebuild(self, planes, shape=None, usages=None, transpose=None, dtype=None) -> "QuantizedTensor":
-        return QuantizedTensor(
-            planes, self._recipe, self.shape if shape is None else shape, dtype or self.dtype,
-            self._usages if usages is None else usages, transpose,
+    def rebuild(self, planes: dict[str, Plane] | None = None, *, shape=None, usages=None, transpose=None,
+                dtype=None) -> "QuantizedTensor":
+        """A new QuantizedTensor of this recipe: these planes / shape / usages / dtype unless given
+        (the transpose cache only when passed).
+
+        Example:
+            >>> q.rebuild(q.planes, dtype=torch.float32)   # same bytes, another nominal dtype
+        """
+        return QuantizedTensor.from_planes(
+            self.planes if planes is None else planes, self._recipe, self.shape if shape is None else shape,
+            dtype or self.dtype, self._usages if usages is None else usages, transpose,
         )
 
     def with_usages(self, *usages: str) -> "QuantizedTensor":
@@ -163,45 +271,54 @@ class QuantizedTensor(torch.Tensor):
         for u in usages:
             self.plane(u)
         stored = {self._recipe.stored_usage(u) for u in usages}
-        return self._rebuild({k: v for k, v in self._planes.items() if k in stored}, usages=usages)
+        return self.rebuild({k: v for k, v in self.planes.items() if k in stored}, usages=usages)
 
     def inner_tensors(self) -> list[torch.Tensor]:
-        return [t for p in self._planes.values() for t in p.tensors()]
+        """Every FP8 data and scale tensor this tensor holds (the transpose cache excluded)."""
+        return [getattr(self, name) for name in self.__tensor_flatten__()[0]]
 
+    # ---- torch.compile: the traceable-subclass protocol -----------------------------------------------
     def __tensor_flatten__(self):
-        names = [f"{u}_{part}" for u in self._planes for part in ("data", "scale_inv")]
-        return names, (self._recipe, self._usages, tuple(self._planes), self.dtype)
+        names = [attr for attrs in PLANE_ATTRS.values() for attr in attrs if getattr(self, attr) is not None]
+        return names, (self._recipe, self._usages, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        recipe, usages, stored, dtype = ctx
-        planes = {u: Plane(inner[f"{u}_data"], inner[f"{u}_scale_inv"]) for u in stored}
-        return QuantizedTensor(planes, recipe, outer_size, dtype, usages)
+        recipe, usages, dtype = ctx
+        row, col = PLANE_ATTRS[ROWWISE], PLANE_ATTRS[COLUMNWISE]
+        return QuantizedTensor(inner.get(row[0]), inner.get(row[1]), inner.get(col[0]), inner.get(col[1]),
+                               recipe, outer_size, dtype, usages)
+
+    def _stable_hash_for_caching(self) -> str:
+        """A key for AOTAutograd's compiled-graph cache that is the same in every process (torch 2.13's
+        hook; the default also works but warns): the constant metadata and each inner tensor's layout."""
+        inner = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type, t.storage_offset())
+                 for name, t in ((n, getattr(self, n)) for n in self.__tensor_flatten__()[0])]
+        key = repr((type(self).__qualname__, repr(self._recipe), self._usages, str(self.dtype), tuple(self.shape),
+                    self.requires_grad, inner))
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe!r}, "
-            f"usages={self._usages}, planes={tuple(self._planes)})"
+            f"usages={self._usages}, planes={tuple(self.planes)})"
         )
 
-    # ---- dispatch ---------------------------------------------------------------------------------
+    # ---- dispatch (the op tables are filled by dtensor_fp8/ops/, see op_table.py) ---------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            from .linear import quantized_linear
-
-            return quantized_linear(*args, **kwargs)
+        impl = QUANTIZED_FUNCTIONS.lookup(func)
+        if impl is not None:
+            return impl(*args, **kwargs)
         # No conversion of results to this class: ops that produce plain tensors (GEMMs on the
         # planes, ``view(-1)``'s raw bytes) must stay plain (torch's default would re-wrap them).
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import QUANTIZED_OPS
-
         kwargs = kwargs or {}
-        impl = QUANTIZED_OPS.get(func) or QUANTIZED_OPS.get(func.overloadpacket)
+        impl = QUANTIZED_OPS.lookup(func)
         if impl is None:
             shapes = tree_map_only(QuantizedTensor, lambda t: f"QuantizedTensor{tuple(t.shape)}", args)
             raise NotImplementedError(
@@ -210,4 +327,3 @@ class QuantizedTensor(torch.Tensor):
                 "torch.nn.functional.linear, which runs on the FP8 planes."
             )
         return impl(func, args, kwargs)
-

@@ -62,7 +62,7 @@ def test_te_layout_round_trip(golden, name):
     entry = golden[name]
     recipe = recipe_for(name, entry["quantizer_scalars"])
     planes = recipe.from_te_layout(entry["buffers"], tuple(golden["input"].shape))
-    q = d.QuantizedTensor(planes, recipe, golden["input"].shape, torch.bfloat16)
+    q = d.QuantizedTensor.from_planes(planes, recipe, golden["input"].shape, torch.bfloat16)
     ours = d.te_layout(q)
     for key in ("_data", "_transpose", "_rowwise_data", "_columnwise_data"):
         if key in entry["buffers"]:

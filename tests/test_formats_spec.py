@@ -3,8 +3,8 @@
 Every expected value here is derived independently of ``dtensor_fp8``: fp32 arithmetic is emulated
 with ``struct`` (a Python float holds any fp32 exactly; ``f32()`` rounds a double to the nearest
 fp32, ties to even, as a C ``(float)`` cast does), FP8 encodings are built from the E4M3 / E5M2 bit
-layouts (OCP 8-bit FP spec), and the scale rules are transcriptions of Transformer Engine's sources,
-as quoted in /work/notes/te_algorithms.md:
+layouts (OCP 8-bit FP spec), and the scale rules are transcriptions of Transformer Engine 2.20.2's
+sources (paths in TE's repository):
 
 * TE common/util/ptx_arch_spec.cuh ``float_to_e8m0`` (bit emulation of ``cvt.rp.satfinite.ue8m0``)
 * TE common/util/ptx.cuh ``exp2f_rcp`` (E8M0 byte -> fp32 multiplier ``2^(127-e)``)

@@ -361,10 +361,10 @@ def _unsharded_across_a_step(recipe_name):
         assert isinstance(w, d.QuantizedTensor) and tuple(w.shape) == (HIDDEN, DIM)
         before = w.dequantize(torch.float32).clone()
         shard = d.placement.local_tensor(opt.param_groups[0]["params"][0])  # the sharded parameter
-        shard_scale = shard._planes["rowwise"].scale_inv.clone()
+        shard_scale = shard.planes["rowwise"].scale_inv.clone()
         opt.step()
         opt.zero_grad()
-        shard_scale_changed = not torch.equal(shard._planes["rowwise"].scale_inv, shard_scale)
+        shard_scale_changed = not torch.equal(shard.planes["rowwise"].scale_inv, shard_scale)
         results.append((shard_scale_changed, torch.equal(w.dequantize(torch.float32), before)))
     return results
 

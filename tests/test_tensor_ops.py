@@ -310,7 +310,7 @@ def test_te_layout_round_trip(name):
         for view in (q, q.with_usages("rowwise"), q.with_usages("columnwise")):
             bufs = d.te_layout(view)
             planes = recipe.from_te_layout(bufs, shape)
-            back = d.QuantizedTensor(planes, recipe, shape, torch.bfloat16, view.usages)
+            back = d.QuantizedTensor.from_planes(planes, recipe, shape, torch.bfloat16, view.usages)
             assert_same_bytes(back, view)
             again = d.te_layout(back)
             assert set(again) == set(bufs)

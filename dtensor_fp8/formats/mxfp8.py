@@ -62,6 +62,25 @@ def e8m0_reciprocal(biased_exponent: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+@torch.library.custom_op("dtensor_fp8::e8m0_from_bytes", mutates_args=())
+def _e8m0_from_bytes(biased: torch.Tensor) -> torch.Tensor:
+    return biased.view(torch.float8_e8m0fnu).clone()
+
+
+@_e8m0_from_bytes.register_fake
+def _(biased: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(biased, dtype=torch.float8_e8m0fnu)
+
+
+def as_e8m0(biased: torch.Tensor) -> torch.Tensor:
+    """uint8 biased exponents as ``float8_e8m0fnu`` scales: a view, or under torch.compile a copy
+    made by an opaque op, because inductor's C++ code generator has no E8M0 type (torch 2.13:
+    ``float8_e8m0fnu missing from DTYPE_TO_CPP``) and would fuse the view into a kernel."""
+    if torch.compiler.is_compiling():
+        return _e8m0_from_bytes(biased)
+    return biased.view(torch.float8_e8m0fnu)
+
+
 @dataclass(frozen=True, repr=True)
 class MXFP8(Recipe):
     """MXFP8: E4M3 data with an E8M0 scale per 1x32 (rowwise) / 32x1 (columnwise) block.
@@ -152,7 +171,7 @@ class MXFP8(Recipe):
         # can capture it (master.py).
         fp8_max_rcp = torch.full((), 1.0 / torch.finfo(self.fp8_dtype).max, dtype=torch.float32, device=amax.device)
         biased = float_to_e8m0(amax.float() * fp8_max_rcp)
-        return e8m0_reciprocal(biased), biased.view(torch.float8_e8m0fnu)
+        return e8m0_reciprocal(biased), as_e8m0(biased)
 
     def decode(self, data, scale_inv, usage, dtype):
         # E8M0 -> fp32 through torch's native cast: exact for every byte but 0xFF (NaN).

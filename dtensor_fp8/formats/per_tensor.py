@@ -228,8 +228,7 @@ class DelayedScaling(_PerTensor):
         # TE's order: the cast records its amax in history[0]; the update then rolls the history
         # and derives the scale used from now on. All tensors' histories are updated together.
         amax = self._amaxes(hps, amaxes, usage)
-        histories = torch.stack([s["amax_history"].float() for s in states])
-        histories[:, 0] = torch.fmax(histories[:, 0], amax)
+        histories = self.record_amax(torch.stack([s["amax_history"] for s in states]), amax)
         histories, scales = self._update_scales(histories, torch.cat([s["scale"].float().reshape(1) for s in states]))
         # Views of the batch's tensors, no copies: callers store them or copy them into the states
         # they keep (requantize_from_hp_ updates its states in place).
@@ -241,14 +240,20 @@ class DelayedScaling(_PerTensor):
         return scale, reciprocal(scale)
 
     def record_amax(self, amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        """What TE's cast kernel does to the history: ``history[0] = max(history[0], amax)``.
+        """What TE's cast kernel does to the history: ``history[0] = max(history[0], amax)`` (NaN
+        ignored, as ``fmaxf``); a new tensor. The optimizer step records every weight's amax with it.
 
         Args:
-            amax_history: shape ``(amax_history_len,)``; row 0 accumulates the current window.
-            amax: the amax of the tensor just quantized.
+            amax_history: shape ``(amax_history_len,)``, or ``(n, amax_history_len)`` for ``n``
+                tensors at once; entry 0 accumulates the current window.
+            amax: the amax of the tensor just quantized (shape ``()`` / ``(n,)``).
+
+        Example:
+            >>> DelayedScaling().record_amax(torch.zeros(1024), torch.tensor(3.0))[0]
+            tensor(3.)
         """
         history = amax_history.float().clone()
-        history[0] = torch.fmax(history[0], amax.float().reshape(()))
+        history[..., 0] = torch.fmax(history[..., 0], amax.float().reshape(history.shape[:-1]))
         return history
 
     def update_scale(self, amax_history: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,10 +48,11 @@ def _te():
 
 
 def usable(hp: torch.Tensor) -> bool:
-    """True when ``hp`` can take the TE fast path: a non-empty CUDA tensor, TE importable, and the
-    fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``."""
-    return (hp.is_cuda and hp.numel() > 0 and os.environ.get(ENV_SWITCH, "1") != "0"
-            and _te() is not None)
+    """True when ``hp`` can take the TE fast path: a non-empty CUDA tensor, TE importable, the
+    fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``, and not inside torch.compile
+    (dynamo cannot trace TE's extension calls; the compiled reference makes the same bytes)."""
+    return (hp.is_cuda and hp.numel() > 0 and not torch.compiler.is_compiling()
+            and os.environ.get(ENV_SWITCH, "1") != "0" and _te() is not None)
 
 
 # What TE's quantizers read and tests/gpu/test_te_kernels.py checks (fp16 goes the reference way).

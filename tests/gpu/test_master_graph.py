@@ -42,7 +42,7 @@ def _model(recipe):
 
 
 def _planes(model):
-    return {(n, u): pl for n, p in model.named_parameters() for u, pl in p._planes.items()}
+    return {(n, u): pl for n, p in model.named_parameters() for u, pl in p.planes.items()}
 
 
 def _assert_same(a_model, b_model, a_opt, b_opt, what):

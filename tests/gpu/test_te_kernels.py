@@ -91,7 +91,7 @@ def test_requantize_from_hp_matches_reference(name, master_dtype):
     g = torch.Generator(device="cuda").manual_seed(_seed("requant", name))
     ws = [torch.randn(640, 1024, device="cuda", generator=g) * (10.0 ** i) for i in range(3)]
     fast_qs, ref_qs = [d.quantize(w, recipe) for w in ws], [d.quantize(w, recipe) for w in ws]
-    ptrs = [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q._planes.items()} for q in fast_qs]
+    ptrs = [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q.planes.items()} for q in fast_qs]
     states_fast, states_ref = {}, {}
     for step in range(3):
         hps = [(w * (1.5 ** step) + 0.01 * step).to(master_dtype) for w in ws]
@@ -100,9 +100,9 @@ def test_requantize_from_hp_matches_reference(name, master_dtype):
         with te_kernels.reference_only():
             requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(ref_qs, hps))], states_ref)
         for i, (fast_q, ref_q) in enumerate(zip(fast_qs, ref_qs)):
-            for usage in fast_q._planes:
-                assert_planes_equal(fast_q._planes[usage], ref_q._planes[usage], f"{name}/w{i}/step{step}/{usage}")
-        assert [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q._planes.items()} for q in fast_qs] == ptrs
+            for usage in fast_q.planes:
+                assert_planes_equal(fast_q.planes[usage], ref_q.planes[usage], f"{name}/w{i}/step{step}/{usage}")
+        assert [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q.planes.items()} for q in fast_qs] == ptrs
         assert states_fast.keys() == states_ref.keys()
         for key in states_fast:
             for field in states_fast[key]:

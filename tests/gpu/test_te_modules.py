@@ -110,9 +110,9 @@ def test_to_te_tensor_zero_copy_and_round_trip(name, shape):
     # round trip: same planes, and the rowwise bytes still shared
     back = dte.from_te_tensor(t)
     assert back.recipe == recipe and back.usages == q.usages
-    for u, p in q._planes.items():
-        assert torch.equal(_u8(back._planes[u].data), _u8(p.data)), u
-        assert torch.equal(_u8(back._planes[u].scale_inv), _u8(p.scale_inv)), u
+    for u, p in q.planes.items():
+        assert torch.equal(_u8(back.planes[u].data), _u8(p.data)), u
+        assert torch.equal(_u8(back.planes[u].scale_inv), _u8(p.scale_inv)), u
     assert back.plane("rowwise").data.data_ptr() == q.plane("rowwise").data.data_ptr()
 
 
@@ -139,9 +139,9 @@ def test_te_buffers_equal_te_quantizer(name):
     # TE -> ours: a TE-made tensor converts to exactly our quantization
     q_te = dte.from_te_tensor(ref)
     q = d.quantize(w, recipe)
-    for u, p in q._planes.items():
-        assert torch.equal(_u8(q_te._planes[u].data), _u8(p.data)), u
-        assert torch.equal(_u8(q_te._planes[u].scale_inv), _u8(p.scale_inv)), u
+    for u, p in q.planes.items():
+        assert torch.equal(_u8(q_te.planes[u].data), _u8(p.data)), u
+        assert torch.equal(_u8(q_te.planes[u].scale_inv), _u8(p.scale_inv)), u
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -431,7 +431,7 @@ def test_transformer_layers_train_under_fully_shard(mesh, name, record_property)
         if p.dim() == 2:
             local = p.to_local()
             assert isinstance(local, d.QuantizedTensor), pname
-            assert all(pl.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for pl in local._planes.values())
+            assert all(pl.data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for pl in local.planes.values())
     ref = _te_reference_losses(make_recipe)
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref)]
     line = f"{name}: ours {['%.5f' % v for v in losses]}\n{name}: te   {['%.5f' % v for v in ref]}\nmax rel {max(rel):.3e}"

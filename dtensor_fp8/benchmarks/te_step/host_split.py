@@ -39,12 +39,12 @@ class HostSplit:
 
     @staticmethod
     def _targets():
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
+        from ... import _compat
         from ... import fsdp as dfsdp
         from ... import optim as doptim
         from ...tensor import QuantizedTensor
 
+        FSDPParamGroup = _compat.fsdp_param_group_class()  # noqa: N806
         out = [(FSDPParamGroup, "unshard", "FSDP2 unshard (all-gather issue)"),
                (FSDPParamGroup, "wait_for_unshard", WAIT_FOR_UNSHARD),
                (FSDPParamGroup, "post_backward", "FSDP2 post_backward (reduce-scatter)"),

@@ -147,9 +147,9 @@ def shard(model, mesh, *, keep_attrs: bool):
 
 def local(p):
     """The local tensor of a DTensor parameter, else the parameter."""
-    from torch.distributed.tensor import DTensor
+    from ..._compat import dtensor_local
 
-    return p._local_tensor if isinstance(p, DTensor) else p
+    return dtensor_local(p)
 
 
 def kind(t) -> str:

@@ -1,0 +1,96 @@
+"""Collectives on a ``QuantizedTensor``: DTensor's gathers move FP8 bytes, whole blocks only.
+
+[Note: gathering a QuantizedTensor]
+DTensor's Shard(0) -> Replicate() calls _c10d_functional.all_gather_into_tensor on the local
+tensor. We run it on each inner tensor the local tensor holds -- FP8 data as uint8 (gloo rejects
+float8), and the scales of blocks that lie along dim 0 -- so only the planes present move: a
+tensor built with ``with_usages("rowwise")`` gathers forward bytes only. Scales of blocks that span
+dim 0 (per-tensor) are already identical on every rank and are not sent. The collectives are
+asynchronous: the works are registered on the raw output tensors, which this module keeps (a weak
+map keyed by the gathered tensor) until DTensor's ``wait_tensor`` on the gathered tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _compat
+from ..formats.base import Plane, RecipeError
+from ..op_table import QUANTIZED_OPS
+from ..tensor import QuantizedTensor, one_byte_as_uint8
+from .slicing import chunk_of
+
+c10d = _compat.functional_collectives()
+
+#: gathered QuantizedTensor -> the raw collective outputs still to wait on (owned here).
+_PENDING_COLLECTIVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@QUANTIZED_OPS.implements([c10d.all_gather_into_tensor.default])
+def _all_gather_into_tensor(func, args, kwargs):
+    q, group_size, group_name = args[0], args[1], args[2]
+    planes, pending = {}, []
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        raw = one_byte_as_uint8(t)
+        out = func(raw, group_size, group_name)
+        pending.append(out)  # the work is registered on this exact tensor: wait on it, not a view
+        return out.view(t.dtype)
+
+    for usage, plane in q.planes.items():
+        block = q.recipe.block_shape(usage).extent(0)
+        if block is not None and q.shape[0] % block:
+            raise RecipeError(
+                f"{q.recipe.name}: all-gather input of shape {tuple(q.shape)} is not a whole number of "
+                f"{block}-row blocks of its {usage} plane; shards must be padded to whole blocks first."
+            )
+        shared_scale = block is None
+        planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
+    out = q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
+    _PENDING_COLLECTIVES[out] = pending
+    return out
+
+
+@QUANTIZED_OPS.implements([c10d.wait_tensor.default])
+def _wait_tensor(func, args, kwargs):
+    q = args[0]
+    for t in _PENDING_COLLECTIVES.pop(q, ()):
+        func(t)
+    return q
+
+
+@QUANTIZED_OPS.implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])
+def _wrap_tensor_autograd(func, args, kwargs):
+    # funcol would wrap the result in an AsyncCollectiveTensor that waits lazily; our planes are
+    # views of several raw outputs, so complete the collectives here and hand back the tensor.
+    return c10d.wait_tensor.default(args[0])
+
+
+_SHARD_DIM_ALLTOALL = _compat.dtensor_shard_dim_alltoall()
+
+
+@QUANTIZED_OPS.implements([_SHARD_DIM_ALLTOALL] if _SHARD_DIM_ALLTOALL is not None else [])
+def _shard_dim_alltoall(func, args, kwargs):
+    """Shard(a) -> Shard(b) on NCCL: DTensor calls ``_dtensor.shard_dim_alltoall``. We do what
+    DTensor itself does on gloo (all-gather along ``gather_dim``, keep this rank's chunk along
+    ``shard_dim``): FP8 bytes only, whole blocks only; it moves ``world`` times an all-to-all's
+    bytes, which is acceptable for a one-off reshard of weights."""
+    q, gather_dim, shard_dim, group_name = args
+    group = _compat.resolve_process_group(group_name)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return chunk_of(_compat.all_gather_single(q, gather_dim, group), shard_dim, world, rank)
+
+
+# torch's TP styles and ``distribute_tensor`` default to ``src_data_rank=0``: rank 0's copy is
+# scattered / broadcast through c10d with the wrapper subclass in the tensor lists. Refuse with the
+# fix (every rank raises here, before any collective starts, so none is left waiting).
+@QUANTIZED_OPS.implements(_compat.c10d_source_rank_ops())
+def _refuse_c10d_source_rank(func, args, kwargs):
+    raise RecipeError(
+        f"dtensor_fp8: {func} on a QuantizedTensor: FP8 weights are not scattered/broadcast from a source "
+        "rank. Every rank holds the same quantized weights after quantize_module_, so slice locally: use "
+        "dtensor_fp8.parallelize_module(model, tp_mesh, plan), or pass src_data_rank=None to torch's "
+        "parallelize_module / distribute_tensor."
+    )

@@ -1,0 +1,116 @@
+"""Aliases, views, copies and allocation of a ``QuantizedTensor`` (what ``nn.Parameter``, FSDP2's
+sharding, DTensor and DCP apply to a parameter). The FP8 bytes are never converted: a dtype in
+``to()`` changes only the nominal dtype, and a high-precision ``copy_`` source is quantized."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.base import RecipeError
+from ..op_table import QUANTIZED_OPS
+from ..tensor import QuantizedTensor
+from .slicing import zeros_like_quantized
+
+aten = torch.ops.aten
+
+
+class PlaneBytes(torch.Tensor):
+    """Raw bytes of a quantized tensor's primary plane (what ``view(-1)`` returns)."""
+
+
+@QUANTIZED_OPS.implements([aten.detach.default, aten.alias.default])
+def _alias(func, args, kwargs):
+    q = args[0]
+    return q.rebuild(transpose=q.transpose_cache)
+
+
+@QUANTIZED_OPS.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    q, size = args[0], list(args[1])
+    if -1 in size:
+        known = 1
+        for s in size:
+            known *= s if s != -1 else 1
+        size[size.index(-1)] = q.numel() // max(known, 1)
+    if len(size) == 1 and size[0] == q.numel() and q.dim() > 1:
+        # FSDP2 keeps `padded_shard.view(-1)` as `_sharded_param_data` but reads it only for
+        # parameters without the all-gather extension; hand it the primary plane's raw bytes,
+        # typed so FSDP does not take it for a plain parameter shard (it would then compare its
+        # storage with the wrapper's, which has none).
+        primary = next(iter(q.planes.values())).data
+        return primary.view(torch.uint8).reshape(-1).as_subclass(PlaneBytes)
+    if torch.Size(size) != q.shape:
+        raise RecipeError(
+            f"{q.recipe.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "
+            "its planes are block-structured matrices. Views keep the logical shape."
+        )
+    return q.rebuild(transpose=q.transpose_cache)
+
+
+@QUANTIZED_OPS.implements([aten.clone.default])
+def _clone(func, args, kwargs):
+    q = args[0]
+    return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()})
+
+
+@QUANTIZED_OPS.implements([aten._to_copy.default])
+def _to_copy(func, args, kwargs):
+    q = args[0]
+    device = kwargs.get("device") or q.device
+    # A dtype here changes only the nominal dtype: the FP8 bytes are never converted.
+    dtype = kwargs.get("dtype") or q.dtype
+    planes = {u: p.map(lambda t: t.to(device=device)) for u, p in q.planes.items()}
+    return q.rebuild(planes, dtype=dtype)
+
+
+@QUANTIZED_OPS.implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros(func, args, kwargs):
+    q, size = args[0], args[1]
+    _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    return zeros_like_quantized(q, list(size), kwargs.get("device"))
+
+
+@QUANTIZED_OPS.implements([aten.zeros_like.default, aten.empty_like.default])
+def _zeros_like(func, args, kwargs):
+    q = args[0]
+    _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    return zeros_like_quantized(q, list(q.shape), kwargs.get("device"))
+
+
+def _check_nominal_dtype(q, dtype, func):
+    if dtype is not None and dtype != q.dtype:
+        raise RecipeError(
+            f"{q.recipe.name}: {func} asked for dtype {dtype} from a quantized weight of nominal dtype "
+            f"{q.dtype}; FP8 storage is not converted implicitly. Call .dequantize({dtype}) explicitly."
+        )
+
+
+@QUANTIZED_OPS.implements([aten.copy_.default])
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    dst_planes = dst.planes
+    if isinstance(src, QuantizedTensor):
+        if src.recipe != dst.recipe:
+            raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
+        src_planes = src.planes
+        for usage, plane in dst_planes.items():
+            if usage not in src_planes:
+                raise RecipeError(
+                    f"copy_: source holds planes {tuple(src_planes)}, destination needs {usage!r} ({dst.recipe.name})"
+                )
+            plane.data.copy_(src_planes[usage].data)
+            plane.scale_inv.copy_(src_planes[usage].scale_inv)
+    else:
+        # High precision into FP8: quantize every plane the destination stores (local amax; a
+        # delayed-scaling destination keeps its scale).
+        for usage, plane in dst_planes.items():
+            fresh, _ = dst.recipe.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
+            plane.data.copy_(fresh.data)
+            plane.scale_inv.copy_(fresh.scale_inv)
+    dst.discard_transpose_cache()
+    return dst
+
+
+@QUANTIZED_OPS.implements([aten.is_same_size.default])
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape

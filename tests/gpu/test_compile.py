@@ -1,0 +1,90 @@
+"""torch.compile with FP8 parameters on CUDA (inductor's Triton backend), every recipe: the cases of
+tests/test_torch_compile.py (see tests/compile_cases.py) on the GPU. MXFP8 runs through the
+reference recipe on sm_90 (TE's MXFP8 kernels need sm_100); per-tensor and blockwise quantization
+inside a compiled graph is the compiled reference too (TE's kernels are skipped under
+torch.compile: dynamo cannot trace them), and must give the bytes eager TE kernels give.
+
+FSDP2 runs on a one-rank NCCL group in this process (the hooks, the all-gather extension and the
+per-block compile are exercised; there is nothing to move between ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+
+import dtensor_fp8 as d  # noqa: E402
+from compile_cases import (  # noqa: E402
+    compiled_model_vs_eager, graph_breaks_of_model, mismatches, per_block_compile_vs_eager,
+    quantize_compiled_vs_eager,
+)
+
+RECIPES = list(d.RECIPES)
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank process group for FSDP2 (created here unless one exists; destroyed after)."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a process group of several ranks already exists in this process")
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="dtensor_fp8_compile_store_")
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_quantize_and_recipe_functions_compile(name):
+    assert quantize_compiled_vs_eager(name, DEVICE) == []
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_quantize_compiled_gives_te_kernel_bytes(name):
+    """Eager quantize on CUDA takes TE's kernels where TE imports; the compiled reference must
+    make the same bytes."""
+    recipe = d.RECIPES[name]
+    x = torch.randn(256, 512, device=DEVICE, dtype=torch.bfloat16) * torch.logspace(-4, 4, 256, device=DEVICE)[:, None]
+    kw = {"scale": torch.tensor(0.5, device=DEVICE)} if name == "delayed" else {}
+    torch._dynamo.reset()
+    eager, comp = d.quantize(x, recipe, **kw), torch.compile(d.quantize, fullgraph=True)(x, recipe, **kw)
+    for usage, plane in eager.planes.items():
+        other = comp.planes[usage]
+        assert torch.equal(plane.data.view(torch.uint8), other.data.view(torch.uint8)), usage
+        assert torch.equal(plane.scale_inv.reshape(-1).view(torch.uint8), other.scale_inv.reshape(-1).view(torch.uint8)), usage
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_compiled_model_trains_like_eager(name):
+    eager, compiled = compiled_model_vs_eager(name, DEVICE)
+    assert mismatches(eager, compiled) == []
+
+
+def test_model_compiles_to_one_graph():
+    graphs, breaks, reasons = graph_breaks_of_model("mxfp8", DEVICE)
+    assert (graphs, breaks) == (1, 0), reasons
+
+
+@pytest.mark.parametrize("style", ["module.compile", "torch.compile"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_per_block_compile_under_fully_shard(one_rank_group, name, style):
+    eager, compiled, counters = per_block_compile_vs_eager(name, style, DEVICE)
+    assert mismatches(eager, compiled) == []
+    assert counters["graph_breaks"] == 0 and counters["unique_graphs"] >= 1, counters

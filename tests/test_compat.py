@@ -1,0 +1,154 @@
+"""Every accessor of dtensor_fp8/_compat.py (the package's private torch API) called on the installed
+torch, with real process groups, FSDP2 and DCP objects: a torch version that moves one fails here,
+by name. The last test checks that no accessor is left out."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import dtensor_fp8 as d
+from dtensor_fp8 import _compat
+from dist_utils import DEVICE, WORLD_SIZES
+
+TOUCHED: set[str] = set()
+
+
+def touches(*names):
+    def mark(fn):
+        TOUCHED.update(names)
+        return fn
+
+    return mark
+
+
+@touches("TORCH_VERSION")
+def test_torch_version():
+    assert _compat.TORCH_VERSION >= (2, 11), _compat.TORCH_VERSION
+    assert torch.__version__.startswith(".".join(map(str, _compat.TORCH_VERSION)))
+
+
+@touches("in_backward")
+def test_in_backward():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(_compat.in_backward()))
+    assert not _compat.in_backward()
+    y.sum().backward()
+    assert seen == [True]
+
+
+@touches("checkpoint_wrapper_class", "uses_composable_checkpoint")
+def test_checkpoint_detection():
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    assert isinstance(checkpoint_wrapper(nn.Linear(2, 2)), _compat.checkpoint_wrapper_class())
+    plain, marked = nn.Linear(2, 2), nn.Linear(2, 2)
+    checkpoint(marked)
+    assert not _compat.uses_composable_checkpoint(plain) and _compat.uses_composable_checkpoint(marked)
+
+
+@touches("is_compiled_module")
+def test_is_compiled_module():
+    a, b, c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    b.compile()
+    assert [_compat.is_compiled_module(m) for m in (a, b, torch.compile(c))] == [False, True, True]
+
+
+@touches("flatten_state_dict", "set_state_dict_element")
+def test_dcp_helpers():
+    nested = {"a": {"b": torch.ones(1), "c": [torch.zeros(1)]}}
+    flat, mapping = _compat.flatten_state_dict(nested)
+    assert set(flat) == {"a.b", "a.c.0"}
+    _compat.set_state_dict_element(nested, mapping["a.b"], torch.full((1,), 7.0))
+    assert nested["a"]["b"].item() == 7.0
+
+
+@touches("functional_collectives", "dtensor_shard_dim_alltoall", "c10d_source_rank_ops", "legacy_all_gather_op")
+def test_op_handles():
+    c10d = _compat.functional_collectives()
+    for name in ("all_gather_into_tensor", "wait_tensor", "_wrap_tensor_autograd"):
+        assert hasattr(c10d, name), name
+    assert _compat.dtensor_shard_dim_alltoall() is not None
+    assert {str(op) for op in _compat.c10d_source_rank_ops()} == {"c10d.scatter_.default", "c10d.broadcast_.default"}
+    assert str(_compat.legacy_all_gather_op()) == "c10d._allgather_base_.default"
+    # All are in the op table: QuantizedTensor answers them.
+    for op in (c10d.all_gather_into_tensor.default, _compat.dtensor_shard_dim_alltoall(), *_compat.c10d_source_rank_ops()):
+        assert op in d.op_table.QUANTIZED_OPS, op
+
+
+# ---- with process groups ----------------------------------------------------------------------------
+def _distributed_accessors():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    import dtensor_fp8.fsdp as dfsdp
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE, (world,))
+    out = {}
+    # DTensor: local tensor, _StridedShard, the process group behind a collective's group name.
+    dt = DTensor.from_local(torch.arange(4.0, device=DEVICE), mesh, [Shard(0)])
+    out["dtensor_local"] = _compat.dtensor_local(dt) is dt._local_tensor and _compat.dtensor_local(dt.to_local()) is not None
+    out["strided_shard"] = issubclass(_compat.strided_shard_class(), torch.distributed.tensor.placement_types.Placement)
+    group = mesh.get_group()
+    out["resolve"] = _compat.resolve_process_group(group.group_name) is group
+    gathered = _compat.all_gather_single(torch.full((2,), float(dist.get_rank()), device=DEVICE), 0, group)
+    gathered = gathered.wait() if hasattr(gathered, "wait") else gathered
+    out["all_gather_single"] = torch.equal(gathered.cpu(), torch.arange(world).float().repeat_interleave(2))
+
+    # FSDP2: the group of a gather, found through the module-state registry and on the stack.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)).to(DEVICE)
+    d.quantize_module_(model, d.MXFP8())
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    expected = fully_shard.state(model[0])._fsdp_param_group
+    out["group_class"] = isinstance(expected, _compat.fsdp_param_group_class())
+    root = fully_shard.state(model)._fsdp_param_group
+    out["group_of"] = (_compat.fsdp_param_group_of(model[0]) is expected and _compat.fsdp_param_group_of(model[1]) is root
+                       and _compat.fsdp_param_group_of(nn.Linear(2, 2)) is None)
+    out["group_modules"] = _compat.fsdp_group_modules(expected) == (model[0],)
+    seen = []
+    real = dfsdp.gather_usages
+
+    def spy(group):
+        seen.append((group is expected, _compat.fsdp_param_group_on_stack(max_depth=32) is group,
+                     _compat.fsdp_group_in_backward(group), _compat.fsdp_group_reshards_after_forward(group)))
+        return real(group)
+
+    dfsdp.gather_usages = spy
+    try:
+        model(torch.randn(4, 64, device=DEVICE)).sum().backward()
+    finally:
+        dfsdp.gather_usages = real
+    out["gathers"] = seen  # per gather: (model[0]'s group, the group on the stack, in backward, reshards)
+    return out
+
+
+@touches("dtensor_local", "strided_shard_class", "resolve_process_group", "all_gather_single",
+         "fsdp_param_group_class", "fsdp_param_group_of", "fsdp_group_modules", "fsdp_param_group_on_stack",
+         "fsdp_group_in_backward", "fsdp_group_reshards_after_forward")
+def test_distributed_accessors(pools):
+    world = WORLD_SIZES[0]
+    if world < 2:
+        pytest.skip("needs 2 ranks")
+    out = pools[world].run(_distributed_accessors)[0]
+    gathers = out.pop("gathers")
+    assert all(out.values()), out
+    # The root (model[1], does not reshard after forward) gathers once, model[0] in forward and backward.
+    assert gathers == [(False, True, False, False), (True, True, False, True), (True, True, True, True)], gathers
+
+
+def test_every_accessor_is_touched():
+    public = {name for name, value in vars(_compat).items()
+              if not name.startswith("_") and (callable(value) and not inspect.isclass(value) or name.isupper())
+              and getattr(value, "__module__", _compat.__name__) == _compat.__name__}
+    assert public - TOUCHED == set(), f"accessors without a test: {sorted(public - TOUCHED)}"

@@ -1,0 +1,201 @@
+"""The package's shape: layers without import cycles, small files, private torch API in one place.
+
+Imports are read from the source (``ast``), module-level and function-level alike: a function-level
+import is still a dependency, only a later one. An import names the module it reads from
+(``from .ops.slicing import chunk_of`` -> ``ops.slicing``; ``from . import fsdp`` -> ``fsdp``);
+the parent packages' ``__init__`` files that Python runs on the way are not counted, since every
+module's import runs ``dtensor_fp8/__init__.py``, which imports the public API of all of them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dtensor_fp8"
+MAX_LINES = 600
+
+#: Known exception to the size rule (benchmarks/te_step.py's split has landed): optim.py, the
+#: optimizer rework of issues 17/20, just over. The lead removes this entry when it is split.
+OVERSIZE_PENDING_SPLIT = {"optim.py"}
+
+#: Known import cycles in files another piece of work owns (none at the moment; the optimizer /
+#: checkpoint rework of issues 17/20 removed checkpoint -> master -> module -> checkpoint).
+CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
+
+#: Layers, lowest first: a module imports only modules of its own layer or below (and the cycle
+#: test keeps each layer acyclic). ``te`` plugs in from the top: nothing below imports it.
+LAYERS = [
+    ("recipes", ["_compat", "formats", "formats.*"]),
+    ("tensor", ["op_table", "tensor", "quantize", "linear"]),
+    ("distributed", ["ops", "ops.*", "placement", "fsdp", "tp", "comm"]),
+    ("training / checkpoint", ["requantize", "optim", "module", "state_dict", "checkpoint", "describe"]),
+    ("top", ["te", "__init__", "benchmarks", "benchmarks.*"]),
+]
+
+#: Private torch modules (a path component starting with "_") that files other than _compat.py may
+#: import: the tensor-subclass protocol (see the note in _compat.py).
+ALLOWED_PRIVATE_TORCH = {"torch.utils._pytree", "torch.utils._python_dispatch"}
+#: Files still importing private torch modules, owned by other work in progress: checkpoint.py (the
+#: lead's checkpoint rework) should call _compat.flatten_state_dict / _compat.set_state_dict_element.
+#: The lead removes the entry with that change.
+PRIVATE_TORCH_PENDING: dict[str, set[str]] = {
+    "checkpoint.py": {"torch.distributed.checkpoint._nested_dict", "torch.distributed.checkpoint._traverse"},
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts) or "__init__"
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _package_parts(name: str) -> list[str]:
+    """The package a module belongs to (itself, for a package's ``__init__``), as parts."""
+    if name == "__init__":
+        return []
+    parts = name.split(".")
+    return parts if (PACKAGE / "/".join(parts) / "__init__.py").exists() else parts[:-1]
+
+
+def _ours(parts: list[str]) -> str:
+    return ".".join(parts) or "__init__"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(name: str) -> tuple[set[str], set[str]]:
+    """(package modules, torch modules) that module ``name`` imports anywhere in its file."""
+    ours, torch_mods = set(), set()
+    tree = ast.parse(MODULES[name].read_text())
+    type_only = {id(n) for guard in ast.walk(tree) if isinstance(guard, ast.If) and _is_type_checking(guard.test)
+                 for stmt in guard.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:  # ``if TYPE_CHECKING:`` imports are for annotations only
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")
+                if top[0] == "dtensor_fp8":
+                    ours.add(_ours(top[1:]))
+                elif top[0] == "torch":
+                    torch_mods.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _package_parts(name)
+                base = base[: len(base) - (node.level - 1)]
+                full = base + (node.module.split(".") if node.module else [])
+            elif node.module.split(".")[0] == "dtensor_fp8":
+                full = node.module.split(".")[1:]
+            else:
+                if node.module.split(".")[0] == "torch":
+                    torch_mods.add(node.module)
+                continue
+            for alias in node.names:  # ``from pkg import submodule`` names the submodule
+                sub = _ours(full + [alias.name])
+                ours.add(sub if sub in MODULES else _ours(full))
+    ours.discard(name)
+    return ours & set(MODULES), torch_mods
+
+
+GRAPH = {name: imports_of(name)[0] for name in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Every elementary cycle's module set, as a sorted tuple (Tarjan's strongly connected components:
+    a component of more than one module is a cycle)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), set()
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.add(tuple(sorted(comp)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _layer_of(name: str) -> int:
+    for i, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            if name == pattern or (pattern.endswith(".*") and name.startswith(pattern[:-1])):
+                return i
+    raise AssertionError(f"dtensor_fp8/{name}: a module in no layer; add it to LAYERS in tests/test_structure.py")
+
+
+def test_the_import_graph_is_read():
+    # The reader sees both kinds of import: module level (fsdp -> tensor) and inside a function
+    # (te -> fsdp in quantize_te_module_).
+    assert "tensor" in GRAPH["fsdp"] and "fsdp" in GRAPH["te"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {("a", "b", "c")}
+
+
+def test_no_import_cycle():
+    found = _cycles(GRAPH)
+    unexpected = found - CYCLES_PENDING_REWORK
+    assert not unexpected, "import cycles inside dtensor_fp8/: " + "; ".join(" <-> ".join(c) for c in sorted(unexpected))
+
+
+def test_layers():
+    wrong = []
+    for name, deps in GRAPH.items():
+        for dep in deps:
+            if _layer_of(dep) > _layer_of(name):
+                wrong.append(f"{name} ({LAYERS[_layer_of(name)][0]}) imports {dep} ({LAYERS[_layer_of(dep)][0]})")
+    assert not wrong, "imports against the layering: " + "; ".join(sorted(wrong))
+
+
+def test_nothing_imports_te():
+    users = sorted(name for name, deps in GRAPH.items() if "te" in deps and not name.startswith("benchmarks"))
+    assert not users, f"te.py plugs in from the top (it registers with fsdp.py); imported by {users}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_file_size(name):
+    rel = str(MODULES[name].relative_to(PACKAGE))
+    lines = len(MODULES[name].read_text().splitlines())
+    if rel in OVERSIZE_PENDING_SPLIT:
+        pytest.skip(f"{rel}: {lines} lines, split pending (OVERSIZE_PENDING_SPLIT)")
+    assert lines <= MAX_LINES, f"dtensor_fp8/{rel} has {lines} lines (> {MAX_LINES}): split it into files of one concept each"
+
+
+def test_private_torch_imports_only_in_compat():
+    wrong = []
+    for name, path in MODULES.items():
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "_compat.py":
+            continue
+        private = {m for m in imports_of(name)[1] if any(p.startswith("_") for p in m.split("."))}
+        private -= ALLOWED_PRIVATE_TORCH | PRIVATE_TORCH_PENDING.get(rel, set())
+        wrong += [f"{rel}: {m}" for m in sorted(private)]
+    assert not wrong, "private torch modules outside _compat.py: " + "; ".join(wrong)
