@@ -55,9 +55,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._compat import dtensor_local
 from .formats.base import USAGES
 from .module import HP_INIT_ATTR
 from .placement import like, local_tensor
+from .optim_state import StateView, as_global, localize
 from .requantize import GraphedRequantize, local_slice
 from .tensor import QuantizedTensor
 
@@ -172,7 +174,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
         #: bumped whenever the inner state may have new tensors (a step, a load): ``state`` re-reads it
         self._generation = 0
-        self.state = _StateView(self)
+        self.state = StateView(self)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -294,7 +296,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             own = {}
             for key, value in saved.items():
                 if key == MASTER_KEY and p in self._masters:
-                    local_tensor(ref).copy_(_localize(value, ref, f"{self._fqn_of(p)}.{key}"))
+                    local_tensor(ref).copy_(localize(value, ref, f"{self._fqn_of(p)}.{key}"))
                 elif p in self._masters and key.startswith(_SCALING_PREFIXES):
                     # A recipe's scaling state: loaded where this recipe keeps the same state, else
                     # dropped (a recipe switch starts the new recipe's scaling afresh).
@@ -304,7 +306,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                         target = self.scaling_states[fqn_usage][field]
                         target.copy_(value.to(target.device))
                 else:
-                    own[key] = _localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
+                    own[key] = localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
             if own:
                 inner_state[inner_index[self._inner_of[p]]] = own
         inner_groups = [{**{k: v for k, v in saved.items() if k != "params"},
@@ -392,7 +394,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         materializing = False
         for p, inner in self._inner_of.items():
             if isinstance(p, DTensor) and p not in self._masters:
-                local = p._local_tensor
+                local = dtensor_local(p)
                 if inner.data_ptr() != local.data_ptr() or inner.shape != local.shape:
                     inner.data = local  # FSDP re-pointed the shard (lazy init): follow it
             g = p.grad
@@ -457,81 +459,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for key, value in self._inner.state.get(self._inner_of[p], {}).items():
             cached = self._views.get((id(p), key))
             if cached is None or cached[0] is not value:
-                cached = self._views[(id(p), key)] = (value, _as_global(ref, value))
+                cached = self._views[(id(p), key)] = (value, as_global(ref, value))
             out[key] = cached[1]
         if p in self._masters:
             for usage in local_tensor(p).planes:
                 for field, value in self.scaling_states.get((self._fqn[p], usage), {}).items():
                     out[f"{usage}_{field}"] = value
         return out
-
-
-class _StateView(dict):
-    """``optimizer.state``: model parameter -> its state (see the note). A ``dict`` (what torch's
-    code expects), read from the inner optimizer after creating any state still missing, so a
-    fresh optimizer already shows the entries a checkpoint holds; re-read only when the inner state
-    may hold new tensors (after a step or a load). A parameter without state reads as ``{}``, as
-    torch's ``defaultdict`` does."""
-
-    def __init__(self, owner: MasterWeightOptimizer):
-        super().__init__()
-        self._owner = owner
-        self._seen = None
-
-    def _refresh(self) -> None:
-        owner = self._owner
-        owner._materialize_state()
-        if self._seen == owner._generation:
-            return
-        dict.clear(self)
-        for g in owner.param_groups:
-            for p in g["params"]:
-                state = owner._state_of(p)
-                if state:
-                    dict.__setitem__(self, p, state)
-        self._seen = owner._generation
-
-    def __getitem__(self, p):
-        self._refresh()
-        if dict.__contains__(self, p):
-            return dict.__getitem__(self, p)
-        if any(p is q for g in self._owner.param_groups for q in g["params"]):
-            return {}
-        raise KeyError("not a parameter of this optimizer")
-
-    def get(self, p, default=None):
-        self._refresh()
-        return dict.get(self, p, default)
-
-    def __iter__(self):
-        self._refresh()
-        return iter(list(dict.keys(self)))
-
-    def __len__(self):
-        self._refresh()
-        return dict.__len__(self)
-
-    def __contains__(self, p):
-        self._refresh()
-        return dict.__contains__(self, p)
-
-    def keys(self):
-        self._refresh()
-        return dict.keys(self)
-
-    def values(self):
-        self._refresh()
-        return dict.values(self)
-
-    def items(self):
-        self._refresh()
-        return dict.items(self)
-
-    def __bool__(self):
-        return len(self) > 0
-
-    def __setitem__(self, p, value):
-        raise TypeError("MasterWeightOptimizer.state is read-only: load state with load_state_dict()")
 
 
 def _collective_device() -> torch.device:
@@ -585,30 +519,4 @@ def _local_alias(p: torch.Tensor) -> torch.Tensor:
     parameter sharing the storage of its local shard."""
     if not isinstance(p, DTensor):
         return p
-    return nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
-
-
-def _as_global(ref: torch.Tensor, value):
-    """An inner-optimizer state tensor of ``ref``'s local shard as a DTensor laid out like ``ref``
-    (scalars such as Adam's ``step`` as they are)."""
-    if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
-            and value.shape == ref._local_tensor.shape:
-        return like(ref, value)
-    return value
-
-
-def _localize(value: torch.Tensor, ref: torch.Tensor, what: str) -> torch.Tensor:
-    """This rank's part of a saved state tensor for parameter (or master) ``ref``: a DTensor's local
-    shard (redistributed to ``ref``'s layout if it differs), a full tensor sliced, a scalar as is."""
-    if not isinstance(ref, DTensor) or value.dim() == 0:
-        return value.to_local() if isinstance(value, DTensor) and value.dim() == 0 else value
-    if isinstance(value, DTensor):
-        if value.placements != ref.placements or value.device_mesh != ref.device_mesh:
-            value = value.redistribute(ref.device_mesh, ref.placements)
-        return value.to_local()
-    if tuple(value.shape) == tuple(ref.shape):
-        return local_slice(value, ref)
-    if tuple(value.shape) == tuple(ref._local_tensor.shape):
-        return value
-    raise ValueError(f"MasterWeightOptimizer.load_state_dict: {what} has shape {tuple(value.shape)}; expected the "
-                     f"parameter's {tuple(ref.shape)} (full) or its local shard {tuple(ref._local_tensor.shape)}")
+    return nn.Parameter(dtensor_local(p).detach(), requires_grad=p.requires_grad)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from ._compat import dtensor_local
 from .formats.base import Plane, RecipeError
 from .formats.config import recipe_config, recipe_from_config
 from .placement import like, local_tensor, shard_dim
@@ -155,7 +156,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
     data = entry.get(f"{next(iter(local_tensor(param).planes))}_data")
     return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == tuple(param.shape)
-            and tuple(param.shape) != tuple(param._local_tensor.shape))
+            and tuple(param.shape) != tuple(dtensor_local(param).shape))
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

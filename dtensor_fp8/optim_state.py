@@ -1,0 +1,107 @@
+"""How ``MasterWeightOptimizer`` shows its state to torch: ``optimizer.state`` as a view of the
+inner optimizer's state, and the conversions between the inner optimizer's local tensors and the
+DTensors laid out like the parameters that ``state_dict()`` / ``load_state_dict()`` exchange
+(see the notes in ``optim.py``)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._compat import dtensor_local
+from .placement import like
+from .requantize import local_slice
+
+
+class StateView(dict):
+    """``optimizer.state``: model parameter -> its state (see the note). A ``dict`` (what torch's
+    code expects), read from the inner optimizer after creating any state still missing, so a
+    fresh optimizer already shows the entries a checkpoint holds; re-read only when the inner state
+    may hold new tensors (after a step or a load). A parameter without state reads as ``{}``, as
+    torch's ``defaultdict`` does."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self._owner = owner
+        self._seen = None
+
+    def _refresh(self) -> None:
+        owner = self._owner
+        owner._materialize_state()
+        if self._seen == owner._generation:
+            return
+        dict.clear(self)
+        for g in owner.param_groups:
+            for p in g["params"]:
+                state = owner._state_of(p)
+                if state:
+                    dict.__setitem__(self, p, state)
+        self._seen = owner._generation
+
+    def __getitem__(self, p):
+        self._refresh()
+        if dict.__contains__(self, p):
+            return dict.__getitem__(self, p)
+        if any(p is q for g in self._owner.param_groups for q in g["params"]):
+            return {}
+        raise KeyError("not a parameter of this optimizer")
+
+    def get(self, p, default=None):
+        self._refresh()
+        return dict.get(self, p, default)
+
+    def __iter__(self):
+        self._refresh()
+        return iter(list(dict.keys(self)))
+
+    def __len__(self):
+        self._refresh()
+        return dict.__len__(self)
+
+    def __contains__(self, p):
+        self._refresh()
+        return dict.__contains__(self, p)
+
+    def keys(self):
+        self._refresh()
+        return dict.keys(self)
+
+    def values(self):
+        self._refresh()
+        return dict.values(self)
+
+    def items(self):
+        self._refresh()
+        return dict.items(self)
+
+    def __bool__(self):
+        return len(self) > 0
+
+    def __setitem__(self, p, value):
+        raise TypeError("MasterWeightOptimizer.state is read-only: load state with load_state_dict()")
+
+
+def as_global(ref: torch.Tensor, value):
+    """An inner-optimizer state tensor of ``ref``'s local shard as a DTensor laid out like ``ref``
+    (scalars such as Adam's ``step`` as they are)."""
+    if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0 \
+            and value.shape == dtensor_local(ref).shape:
+        return like(ref, value)
+    return value
+
+
+def localize(value: torch.Tensor, ref: torch.Tensor, what: str) -> torch.Tensor:
+    """This rank's part of a saved state tensor for parameter (or master) ``ref``: a DTensor's local
+    shard (redistributed to ``ref``'s layout if it differs), a full tensor sliced, a scalar as is."""
+    if not isinstance(ref, DTensor) or value.dim() == 0:
+        return value.to_local() if isinstance(value, DTensor) and value.dim() == 0 else value
+    if isinstance(value, DTensor):
+        if value.placements != ref.placements or value.device_mesh != ref.device_mesh:
+            value = value.redistribute(ref.device_mesh, ref.placements)
+        return value.to_local()
+    if tuple(value.shape) == tuple(ref.shape):
+        return local_slice(value, ref)
+    if tuple(value.shape) == tuple(dtensor_local(ref).shape):
+        return value
+    raise ValueError(f"MasterWeightOptimizer.load_state_dict: {what} has shape {tuple(value.shape)}; expected the "
+                     f"parameter's {tuple(ref.shape)} (full) or its local shard {tuple(dtensor_local(ref).shape)}")
