@@ -495,15 +495,31 @@ def _hp_inits(model: nn.Module) -> dict[str, tuple[dict, str]]:
     for prefix, module in model.named_modules():
         kept = module.__dict__.get(HP_INIT_ATTR) or {}
         for name in kept:
-            out[f"{prefix}.{name}" if prefix else name] = (kept, name)
+            out[canonical_fqn(f"{prefix}.{name}" if prefix else name)] = (kept, name)
     return out
+
+
+#: Path components that wrappers insert into parameter names and torch's state-dict helpers drop
+#: (``torch.compile``'s ``_orig_mod``, ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``).
+_WRAPPER_COMPONENTS = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def canonical_fqn(name: str) -> str:
+    """``name`` without the components wrappers insert, so an FQN means the same parameter
+    before and after ``torch.compile`` / ``checkpoint_wrapper`` (as in torch's ``get_state_dict``).
+
+    Example:
+        >>> canonical_fqn("layers.0._orig_mod.w1.weight")
+        'layers.0.w1.weight'
+    """
+    return ".".join(c for c in name.split(".") if c not in _WRAPPER_COMPONENTS)
 
 
 def _fqns(model: nn.Module, groups: list[dict]) -> dict:
     """Parameter -> its FQN in ``model``; a parameter that is not the model's is an error."""
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(p, name)
+        names.setdefault(p, canonical_fqn(name))
     for g in groups:
         for p in g["params"]:
             if p not in names:

@@ -354,7 +354,7 @@ def _nan_on_one_rank(policy):
     fully_shard(net, mesh=mesh)
     opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2, nonfinite=policy)
     net(_batch(0).to(DEVICE)).pow(2).mean().backward()
-    if dist.get_rank() == 1:  # only this rank's shard of the gradient is bad
+    if dist.get_rank() == dist.get_world_size() - 1:  # only this rank's shard of the gradient is bad
         net.fc1.weight.grad.to_local()[0, 0] = float("nan")
     try:
         opt.step()

@@ -105,9 +105,9 @@ def _gathered_usages():
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason="MasterWeightOptimizer looks high-precision inits up by parameter name, "
-                   "and torch.compile(block) inserts '_orig_mod.' (master.py/module.py, the optimizer rework)")
 def test_torch_compile_fqn_keeps_hp_init():
+    """Masters start from the high-precision init whether or not a block was wrapped by
+    torch.compile after quantize_module_ (FQNs are compared without ``_orig_mod``)."""
     from compile_cases import block, planes_bytes
 
     after = []

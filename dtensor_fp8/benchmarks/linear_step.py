@@ -161,7 +161,7 @@ def _setup(variant: str, cfg, mesh):
     recipe = d.RECIPES[recipe_name]
     d.quantize_module_(model, recipe, keep_hp_init=False)
     model = _shard(model, mesh, compiled)
-    opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, fused=True,
+    opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, fused=True, nonfinite=cfg.nonfinite,
                                   master_dtype=torch.bfloat16 if master == "bf16" else torch.float32)
     return model, opt, notes
 
@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nonfinite", choices=("raise", "skip", "ignore"), default="raise",
+                   help="MasterWeightOptimizer's non-finite gradient check (default: the library's, raise)")
     p.add_argument("--variants", default=",".join(EAGER), help=f"comma-separated subset of {','.join(EAGER)}")
     p.add_argument("--compile", action="store_true", help="also run the *_compiled rows (blocks torch.compile'd)")
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")

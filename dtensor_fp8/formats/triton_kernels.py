@@ -64,6 +64,10 @@ def fast_path(recipe, hp: torch.Tensor) -> str | None:
     (``"triton"``, ``"te"``) usable here, or ``None`` (the reference)."""
     from . import te_kernels
 
+    if torch.compiler.is_compiling():
+        # Under torch.compile the reference's torch ops are traced and fused by inductor; the
+        # hand-written kernels (and the import probing that picks them) stay out of the graph.
+        return None
     for path in recipe.kernel_order:
         if path == "triton" and usable(hp):
             return path

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
+import tempfile
 import warnings
 
 import pytest
@@ -122,8 +122,10 @@ def test_te_buffers_equal_te_quantizer(name):
     _skip_mx(name)
     recipe, _ = RECIPES[name]
     w = _weight(384, 640, 1)
-    t = dte.to_te_tensor(d.quantize(w, recipe))
-    quantizer = dte.te_quantizer(recipe, device=DEV)
+    q = d.quantize(w, recipe)
+    t = dte.to_te_tensor(q)
+    # Delayed scaling: TE's quantizer with our tensor's (seeded) scale; the others ignore it.
+    quantizer = dte.te_quantizer(recipe, device=DEV, scale_inv=q.plane("rowwise").scale_inv)
     with torch.no_grad():
         ref = quantizer(w)
     if hasattr(ref, "_transpose_invalid") and (ref._transpose is None or ref._transpose_invalid):
@@ -242,7 +244,9 @@ def test_te_linear_gemm_on_view_equals_te(name):
         ref.weight.copy_(w)
     y_ref, dx_ref = _run_linear(ref, x, dy, make_recipe)
     ours = te.Linear(k, m, bias=False, params_dtype=BF16, device=DEV)
-    ours.weight = nn.Parameter(dte.to_te_tensor(d.quantize(w, recipe)), requires_grad=True)
+    # te.Linear quantizes its bf16 weight at TE's initial delayed scale, 1: ours must use the same.
+    kw = {"scale": 1.0} if isinstance(recipe, d.DelayedScaling) else {}
+    ours.weight = nn.Parameter(dte.to_te_tensor(d.quantize(w, recipe, **kw)), requires_grad=True)
     y, dx = _run_linear(ours, x, dy, make_recipe)
     assert torch.equal(y.view(torch.int16), y_ref.view(torch.int16)), f"fprop differs: max {((y - y_ref).abs().max())}"
     assert torch.equal(dx.view(torch.int16), dx_ref.view(torch.int16)), f"dgrad differs: max {((dx - dx_ref).abs().max())}"
@@ -254,12 +258,12 @@ def mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        # A file store, not a TCP port: other suites may run beside this one on the machine.
+        fd, path = tempfile.mkstemp(prefix="dtensor_fp8_te_store_")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
     yield init_device_mesh("cuda", (1,))
 
 

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--adam", choices=("fused", "foreach"), default="fused",
                    help="torch.optim.Adam implementation used by every variant (default fused: one CUDA kernel)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nonfinite", choices=("raise", "skip", "ignore"), default="ignore",
+                   help="MasterWeightOptimizer's non-finite gradient check in (d)/(e) (default ignore: the check "
+                        "synchronizes with the host every step, which --gpu-only cannot time around)")
     p.add_argument("--rounds", type=int, default=0, metavar="R",
                    help="keep every variant of a recipe alive and time R more rounds of --round-steps steps of "
                         "each in turn; the step medians reported are over these interleaved steps (the host's "

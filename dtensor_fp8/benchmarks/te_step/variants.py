@@ -67,6 +67,10 @@ class StepConfig:
     lr: float = 1e-4
     seed: int = 0
     adam: str = "fused"  # torch.optim.Adam implementation: "fused" or "foreach"
+    #: MasterWeightOptimizer's non-finite gradient policy for (d)/(e). "ignore" by default: the
+    #: default "raise" reads a flag on the host every step (a synchronization, like torch's
+    #: GradScaler), which --gpu-only cannot time around; pass --nonfinite raise to measure it.
+    nonfinite: str = "ignore"
 
 
 def gemm_weights(cfg) -> int:
@@ -277,7 +281,8 @@ def _setup_ours(cfg, recipe, mesh, notes, *, master_dtype):
     model = build_layers(cfg)
     quantize_te_module_(model, recipe, keep_hp_init=False)
     model = shard(model, mesh, keep_attrs=False)
-    opt = MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, master_dtype=master_dtype, **adam_kwargs(cfg))
+    opt = MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, master_dtype=master_dtype,
+                                nonfinite=getattr(cfg, "nonfinite", "ignore"), **adam_kwargs(cfg))
     notes["weights_after_shard"] = weight_kinds(model)
     notes["optimizer"] = repr(opt)
     return model, opt
