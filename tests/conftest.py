@@ -68,6 +68,14 @@ def golden():
     return load_golden()
 
 
+def pytest_configure(config):
+    # A run killed by `timeout` still reports: the ranks' and this process's stacks, then pytest's
+    # summary of what ran (tests/dist_utils.py, install_sigterm_report).
+    from dist_utils import install_sigterm_report
+
+    install_sigterm_report(config)
+
+
 @pytest.fixture(scope="session")
 def pools():
     from dist_utils import Pools

@@ -1,0 +1,110 @@
+"""The rank-pool harness itself (tests/dist_utils.py): failures are reported at once and name what
+every rank was doing; a pool that failed or was interrupted is never reused."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtensor_fp8 as d
+import dist_utils
+from dist_utils import DEVICE, WORLD_SIZES, RankPool
+
+WORLD = WORLD_SIZES[0]
+
+
+def _exit_on_rank_1():
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.barrier()  # rank 0 waits for rank 1, which is gone
+
+
+def _sleep_on_rank_0(seconds):
+    if dist.get_rank() == 0:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def _rank_and_tensors():
+    x = torch.arange(256 * 64, dtype=torch.float32, device=DEVICE).reshape(256, 64) / 7
+    return dist.get_rank(), x.to(torch.float8_e4m3fn), d.quantize(x.bfloat16(), d.MXFP8())
+
+
+def _fresh_pool_is_correct(pools):
+    """The next ``pools[w]`` is a new pool whose results are this task's, in rank order."""
+    assert [r[0] for r in pools[WORLD].run(_rank_and_tensors)] == list(range(WORLD))
+    assert pools[WORLD].run(_sleep_on_rank_0, 0) == list(range(WORLD))
+
+
+def test_results_are_host_tensors_bit_exact(pools):
+    results = pools[WORLD].run(_rank_and_tensors)
+    x = torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64) / 7
+    ref = d.quantize(x.bfloat16(), d.MXFP8())
+    for rank, (r, fp8, q) in enumerate(results):
+        assert r == rank and fp8.device.type == "cpu" and fp8.dtype == torch.float8_e4m3fn
+        assert torch.equal(fp8.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+        assert isinstance(q, d.QuantizedTensor) and q.device.type == "cpu"
+        for usage in ref.usages:
+            assert torch.equal(q.plane(usage).data.view(torch.uint8), ref.plane(usage).data.view(torch.uint8))
+
+
+def test_a_rank_that_dies_is_reported_at_once(pools):
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as err:
+        pools[WORLD].run(_exit_on_rank_1)
+    msg = str(err.value)
+    # Not the task timeout, nor the group timeout: the parent sees the exit within about a second.
+    assert time.monotonic() - started < dist_utils.GROUP_TIMEOUT_S, msg
+    assert "rank 1: died during the task (exited with code 7)" in msg, msg
+    # Rank 0 either sees the connection close (gloo raises) or still waits: then its stack
+    # (faulthandler, SIGUSR1) shows where.
+    assert "rank 0: raised" in msg or ("rank 0: no answer after the others failed" in msg
+                                       and "in _exit_on_rank_1" in msg), msg
+    _fresh_pool_is_correct(pools)
+
+
+def test_a_hung_task_times_out_with_the_ranks_stacks(pools):
+    with pytest.raises(AssertionError) as err:
+        pools[WORLD].run(_sleep_on_rank_0, 120, timeout=3)
+    msg = str(err.value)
+    assert "no answer from [0]" in msg and "rank 1: answered" in msg, msg
+    assert "rank 0: no answer within 3s" in msg and "in _sleep_on_rank_0" in msg, msg
+    _fresh_pool_is_correct(pools)
+
+
+def test_an_interrupted_run_kills_its_pool(pools):
+    """pytest-timeout's signal method (or SIGTERM) raises inside ``run``: the pool, whose rank 0
+    is still busy with the task, must not serve the next test."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    pool = pools[WORLD]
+    pool.run(_sleep_on_rank_0, 0)  # started, so that the alarm hits the task, not the start-up
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        with pytest.raises(Interrupted):
+            pool.run(_sleep_on_rank_0, 120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not pool.alive
+    _fresh_pool_is_correct(pools)
+
+
+def test_a_pool_that_cannot_start_says_why(monkeypatch):
+    # A backend the test process knows and the ranks do not: every rank's start-up raises.
+    monkeypatch.setitem(dist_utils.BACKENDS, "unknown-to-ranks", dist_utils.RankBackend("gloo", "cpu", False))
+    pool = RankPool(2, "unknown-to-ranks")
+    with pytest.raises(AssertionError) as err:
+        pool.run(_sleep_on_rank_0, 0)
+    msg = str(err.value)
+    assert "rank pool failed to start" in msg and "is not a test backend" in msg, msg
+    assert not pool.alive
