@@ -70,10 +70,11 @@ def golden():
 
 def pytest_configure(config):
     # A run killed by `timeout` still reports: the ranks' and this process's stacks, then pytest's
-    # summary of what ran (tests/dist_utils.py, install_sigterm_report).
-    from dist_utils import install_sigterm_report
+    # summary of what ran (tests/rank_logs.py).
+    import dist_utils
+    import rank_logs
 
-    install_sigterm_report(config)
+    rank_logs.install_sigterm_report(dist_utils.LIVE_POOLS, config)
 
 
 @pytest.fixture(scope="session")

@@ -37,14 +37,12 @@ rank is left running a task whose result the next test would read (results carry
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import io
 import itertools
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import signal
 import sys
 import tempfile
@@ -57,6 +55,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+import rank_logs
 
 
 class RankBackend(NamedTuple):
@@ -93,8 +93,6 @@ GROUP_TIMEOUT_S = float(os.environ.get("DTENSOR_FP8_TEST_GROUP_TIMEOUT", "45"))
 TASK_TIMEOUT_S = float(os.environ.get("DTENSOR_FP8_TEST_TASK_TIMEOUT", "240"))
 STARTUP_TIMEOUT_S = float(os.environ.get("DTENSOR_FP8_TEST_STARTUP_TIMEOUT", "180"))
 GRACE_S = 3  # how long the other ranks may still answer once one has failed
-DUMP_WAIT_S = 3.0  # at most this long for the ranks to write their stacks after SIGUSR1
-LOG_TAIL_CHARS = 6000  # of each failed rank's log, in the error
 
 
 def _to_host(obj):
@@ -233,64 +231,10 @@ def _exit_reason(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _tail(path: str, chars: int = LOG_TAIL_CHARS) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, io.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - chars))
-            text = f.read().decode(errors="replace")
-    except OSError as e:
-        return f"(log {path} unreadable: {e})"
-    return ("..." if size > chars else "") + text
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _await_growth(sizes: dict[str, int], limit: float = DUMP_WAIT_S) -> None:
-    """Wait until every log in ``sizes`` has grown and then stayed the same for 0.2 s (a stack dump
-    written), at most ``limit`` seconds."""
-    deadline = time.monotonic() + limit
-    last = dict(sizes)
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = {path: _size(path) for path in sizes}
-        if all(now[p] > sizes[p] and now[p] == last[p] for p in sizes):
-            return
-        last = now
-
-
-class _LogDir:
-    """Where ranks write their logs: ``DTENSOR_FP8_TEST_LOG_DIR`` (kept) or a temporary folder
-    (removed when the session's pools close)."""
-
-    def __init__(self):
-        self.kept = bool(os.environ.get("DTENSOR_FP8_TEST_LOG_DIR"))
-        self.path = os.environ.get("DTENSOR_FP8_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="dtensor_fp8_ranks_")
-        os.makedirs(self.path, exist_ok=True)
-
-    def cleanup(self):
-        if not self.kept:
-            shutil.rmtree(self.path, ignore_errors=True)
-
-
-_LOGS: _LogDir | None = None
 _POOL_SERIAL = itertools.count()
 _TASK_IDS = itertools.count(1)
 #: every pool whose ranks may be running (for the SIGTERM handler)
 LIVE_POOLS: weakref.WeakSet = weakref.WeakSet()
-
-
-def _log_dir() -> _LogDir:
-    global _LOGS
-    if _LOGS is None:
-        _LOGS = _LogDir()
-    return _LOGS
 
 
 class RankPool:
@@ -326,7 +270,7 @@ class RankPool:
         fd, self._store = tempfile.mkstemp(prefix="dtensor_fp8_store_")
         os.close(fd)
         os.unlink(self._store)
-        self.logs = [os.path.join(_log_dir().path, f"{self.name}-rank{r}.log") for r in range(world_size)]
+        self.logs = [os.path.join(rank_logs.log_dir(), f"{self.name}-rank{r}.log") for r in range(world_size)]
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -367,26 +311,27 @@ class RankPool:
             if r in tracebacks:
                 lines.append(f"--- rank {r} ({status[r]}), traceback (log: {self.logs[r]}) ---\n{tracebacks[r]}")
             else:
-                lines.append(f"--- rank {r} ({status[r]}), log {self.logs[r]} (tail) ---\n{_tail(self.logs[r])}")
+                lines.append(f"--- rank {r} ({status[r]}), log {self.logs[r]} (tail) ---\n{rank_logs.tail(self.logs[r])}")
         self.close(kill=True)
         raise AssertionError("\n".join(lines))
 
-    def dump_stacks(self, ranks=None, wait: bool = True) -> bool:
+    def dump_stacks(self, ranks=None, wait: bool = True) -> list[int]:
         """SIGUSR1 to the live ranks in ``ranks`` (default all): each writes every thread's stack to
-        its log; waits :data:`DUMP_WAIT_S` for them (``wait``). Returns whether any was signalled."""
+        its log; waits up to ``rank_logs.DUMP_WAIT_S`` for them (``wait``). Returns the ranks
+        signalled."""
         ranks = range(self.world_size) if ranks is None else ranks
         sizes = {}
         for r in ranks:
             p = self._procs[r]
             if p.exitcode is None and p.pid is not None:
                 try:
-                    sizes[r] = _size(self.logs[r])
+                    sizes[r] = rank_logs.size(self.logs[r])
                     os.kill(p.pid, signal.SIGUSR1)
                 except ProcessLookupError:
                     sizes.pop(r, None)
         if sizes and wait:
-            _await_growth({self.logs[r]: n for r, n in sizes.items()})
-        return bool(sizes)
+            rank_logs.await_growth({self.logs[r]: n for r, n in sizes.items()})
+        return sorted(sizes)
 
     def _await_ready(self) -> None:
         deadline = self._started_at + STARTUP_TIMEOUT_S
@@ -437,7 +382,7 @@ class RankPool:
             if not completed and self.alive:  # interrupted (pytest-timeout, SIGTERM, Ctrl-C)
                 self.dump_stacks()
                 sys.stderr.write(f"\n[dist_utils] {fn.__name__} interrupted: pool {self.name} killed; rank logs:\n"
-                                 + "".join(f"--- rank {r}: {self.logs[r]} (tail) ---\n{_tail(self.logs[r])}\n"
+                                 + "".join(f"--- rank {r}: {self.logs[r]} (tail) ---\n{rank_logs.tail(self.logs[r])}\n"
                                            for r in range(self.world_size)))
                 self.close(kill=True)
 
@@ -556,52 +501,7 @@ class Pools:
     def close(self):
         for pool in [*self._pools.values(), *self._spares.values()]:
             pool.close()
-        if _LOGS is not None:
-            _LOGS.cleanup()
-
-
-def install_sigterm_report(config=None) -> None:
-    """On SIGTERM (e.g. ``timeout`` killing pytest): this process's stacks, every live rank's
-    stacks (SIGUSR1) and the tails of their logs, written to ``sigterm-<pid>.txt`` in the log folder
-    and to stderr (past pytest's output capture, given pytest's ``config``); the pools killed; then
-    pytest stopped as Ctrl-C does (it still prints what ran and what failed)."""
-
-    def on_term(signum, frame):
-        # `timeout` sends SIGTERM twice (to pytest, then to its process group): the second must not
-        # cut this report short. What follows a stuck report is `timeout -k`'s SIGKILL.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        path = os.path.join(_log_dir().path, f"sigterm-{os.getpid()}.txt")
-        with open(path, "w") as out:
-            out.write("[dist_utils] SIGTERM: stacks of the test process, then of every live rank\n")
-            out.flush()
-            faulthandler.dump_traceback(file=out, all_threads=True)
-            pools = list(LIVE_POOLS)
-            sizes = {log: _size(log) for pool in pools for log in pool.logs}
-            if any([pool.dump_stacks(wait=False) for pool in pools]):
-                _await_growth({log: n for log, n in sizes.items()
-                               if any(pool.logs[r] == log and pool._procs[r].exitcode is None
-                                      for pool in pools for r in range(pool.world_size))})
-            for pool in pools:
-                out.write(f"--- pool {pool.name} (pids {pool.pids}, {pool.runs} runs) ---\n")
-                for r in range(pool.world_size):
-                    out.write(f"--- rank {r}: {pool.logs[r]} (tail) ---\n{_tail(pool.logs[r], 3000)}\n")
-        for pool in pools:
-            pool.close(kill=True)
-        capman = config.pluginmanager.getplugin("capturemanager") if config is not None else None
-        with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
-            with open(path) as f:
-                sys.stderr.write(f.read())
-            sys.stderr.flush()
-        raise KeyboardInterrupt(f"SIGTERM (report: {path})")
-
-    if _in_main_thread():
-        signal.signal(signal.SIGTERM, on_term)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+        rank_logs.cleanup()
 
 
 # The byte counter lives in the package (the example and benchmarks use it too).

@@ -3,6 +3,8 @@ every rank was doing; a pool that failed or was interrupted is never reused."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -108,3 +110,56 @@ def test_a_pool_that_cannot_start_says_why(monkeypatch):
     msg = str(err.value)
     assert "rank pool failed to start" in msg and "is not a test backend" in msg, msg
     assert not pool.alive
+
+
+_HANGING_SESSION = '''
+import time
+def _sleep(seconds):
+    time.sleep(seconds)
+def test_passes():
+    pass
+def test_hangs(pools):
+    pools[2].run(_sleep, 600)
+'''
+_SESSION_CONFTEST = '''
+import sys
+sys.path.insert(0, {tests!r})
+import pytest
+import dist_utils, rank_logs
+def pytest_configure(config):
+    rank_logs.install_sigterm_report(dist_utils.LIVE_POOLS, config)
+@pytest.fixture
+def pools():
+    p = dist_utils.Pools(world_sizes=[2])
+    yield p
+    p.close()
+'''
+
+
+def test_a_session_killed_by_sigterm_reports_stacks_and_its_summary(tmp_path):
+    """What `timeout` does to a hung session (SIGTERM to its process group): every rank's stacks and
+    the test process's in sigterm-<pid>.txt and on stderr, then pytest's own summary."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "test_hang.py").write_text(_HANGING_SESSION)
+    (tmp_path / "conftest.py").write_text(_SESSION_CONFTEST.format(tests=tests))
+    logs = tmp_path / "logs"
+    env = {**os.environ, "DTENSOR_FP8_TEST_LOG_DIR": str(logs), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("_sleep: start" in p.read_text() for p in logs.glob("*-rank*.log")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the session did not reach its task"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, out  # pytest's code for an interrupted session
+    assert "KeyboardInterrupt: SIGTERM" in out and "1 passed" in out, out
+    report = next(logs.glob("sigterm-*.txt")).read_text()
+    assert "in test_hangs" in report, report  # the test process's stack
+    assert report.count("in _sleep") == 2, report  # both ranks' stacks
+    assert "in test_hangs" in out and "in _sleep" in out, out  # on stderr too

@@ -11,7 +11,7 @@
 # te_training.log (pytest -v: each test's result as it happens), rank_logs.tgz (every rank's log:
 # task timeline, tracebacks, faulthandler stacks of hung or killed ranks, SIGTERM reports),
 # summary.txt (also printed last). A session past its limit gets SIGTERM: the test process and
-# every rank write their stacks, then pytest prints its summary (tests/dist_utils.py).
+# every rank write their stacks, then pytest prints its summary (tests/rank_logs.py).
 set -u
 OUT=${OUT:-$PWD/multirank_out}
 SESSION_S=${SESSION_S:-300}   # per session; 10 s more before SIGKILL
@@ -45,18 +45,18 @@ session() {  # name, then environment assignments and the pytest arguments
   env DTENSOR_FP8_TEST_LOG_DIR="$RANK_LOGS/$name" "$@" > "$OUT/$name.log" 2>&1
   echo "exit $? after $((SECONDS - t0)) s" >> "$OUT/$name.log"
 }
-# The CPU suite's distributed files on CUDA tensors, split by cost (CPU timings) into three
-# sessions; the one-process files (formats, tensor ops, recipe configs) say nothing new here.
+# The suite's distributed files on CUDA tensors, split by cost (CPU timings) into three sessions.
+# Left out: the one-process files (formats, tensor ops, recipe configs, gemm, kernels: nothing new
+# with ranks on one GPU) and test_torch_compile.py (inductor compiles every graph on every rank).
 # Collectives time out after 30 s and a task after 75 s: each such test costs at most that.
 SUITE=(DTENSOR_FP8_TEST_BACKEND=$SUITE_BACKEND DTENSOR_FP8_TEST_WORLD_SIZES=2,4 DTENSOR_FP8_TEST_GROUP_TIMEOUT=30
        DTENSOR_FP8_TEST_TASK_TIMEOUT=75 DTENSOR_FP8_TEST_STARTUP_TIMEOUT=150 timeout -k 10 "$SESSION_S")
 TE=(DTENSOR_FP8_TEST_GROUP_TIMEOUT=60 DTENSOR_FP8_TEST_TASK_TIMEOUT=170 DTENSOR_FP8_TEST_STARTUP_TIMEOUT=150
     timeout -k 10 "$SESSION_S")
-session suite_ckpt "${SUITE[@]}" "${PYTEST[@]}" tests/test_checkpoint.py &
+session suite_ckpt "${SUITE[@]}" "${PYTEST[@]}" tests/test_checkpoint.py tests/test_hf_llama.py tests/test_compat.py &
 session suite_tp "${SUITE[@]}" "${PYTEST[@]}" tests/test_tp.py tests/test_tp_checkpoint.py \
-  tests/test_tp_sequence_parallel.py &
-session suite_fsdp "${SUITE[@]}" "${PYTEST[@]}" tests/test_fsdp.py tests/test_placement.py tests/test_optim.py \
-  tests/test_dist_utils.py &
+  tests/test_tp_sequence_parallel.py tests/test_dist_utils.py &
+session suite_fsdp "${SUITE[@]}" "${PYTEST[@]}" tests/test_fsdp.py tests/test_placement.py tests/test_optim.py &
 session te_modules "${TE[@]}" "${PYTEST[@]}" -s tests/gpu/test_multirank_te_modules.py &
 session te_training "${TE[@]}" "${PYTEST[@]}" -s tests/gpu/test_multirank_te_training.py &
 wait
@@ -69,7 +69,7 @@ tar czf "$OUT/rank_logs.tgz" -C "$RANK_LOGS" . 2>/dev/null
     result=$(grep -aE '^=+ .*(passed|failed|error|skipped|no tests ran|deselected).* in [0-9.]+s' "$log" | tail -1 | tr -d '=')
     echo "== $name: ${result:-no pytest summary} | $(tail -1 "$log")"
     grep -aE '^(FAILED|ERROR) ' "$log" | cut -c1-240 | head -8
-    grep -aq 'KeyboardInterrupt: SIGTERM' "$log" && echo "   stopped by the session limit at: $(grep -aE '^tests/.*::' "$log" | tail -1 | sed "s/ \[dist_utils\].*//" | cut -c1-160)"
+    grep -aq 'KeyboardInterrupt: SIGTERM' "$log" && echo "   stopped by the session limit at: $(grep -aE '^tests/.*::' "$log" | tail -1 | sed "s/ \[rank_logs\].*//" | cut -c1-160)"
   done
   echo "rank logs: rank_logs.tgz ($(du -h "$OUT/rank_logs.tgz" | cut -f1))"
 } | tee "$OUT/summary.txt"
