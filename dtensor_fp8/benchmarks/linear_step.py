@@ -363,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    if any(v.startswith("te_") for v in variants):
+        # Transformer Engine is imported before any step runs: once torch's attention has loaded its
+        # own cuDNN, TE's import can bind the system's other cuDNN build and fail (seen on the H200:
+        # "libcudnn_cnn.so.9: undefined symbol"), which te_step, importing TE first, never meets.
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception:  # noqa: BLE001  (the te_* rows then say why they did not run)
+            pass
     torch.cuda.set_device(0)
     cc = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
