@@ -21,6 +21,7 @@ from torch import nn
 import dtensor_fp8 as d
 
 DIM = 256  # a multiple of 128: blockwise recipes shard at 128-row boundaries over 2 ranks
+TOKENS = 128  # a multiple of 128: torch's blockwise scaled GEMMs take the batch (on CUDA)
 STEPS = 3
 
 
@@ -58,7 +59,7 @@ def train(model: nn.Module, call, device, steps: int = STEPS, seed: int = 1) -> 
     g = torch.Generator().manual_seed(seed)
     record = {"loss": [], "grad": [], "planes": []}
     for _ in range(steps):
-        x = torch.randn(8, DIM, generator=g).to(device).requires_grad_(True)
+        x = torch.randn(TOKENS, DIM, generator=g).to(device).requires_grad_(True)
         loss = call(x).square().mean()
         loss.backward()
         opt.step()
@@ -90,15 +91,23 @@ def mismatches(eager: dict, compiled: dict) -> list[str]:
 
 
 # ---- one process, no FSDP ---------------------------------------------------------------------------
-def compiled_model_vs_eager(recipe_name: str, device) -> tuple[dict, dict]:
-    """``torch.compile(model, fullgraph=True)`` vs the eager model, from the same FP8 weights."""
+def compiled_model_vs_eager(recipe_name: str, device, fullgraph: bool = True) -> tuple[dict, dict, dict]:
+    """``torch.compile(model, fullgraph=...)`` vs the eager model, from the same FP8 weights;
+    also the compiled run's dynamo counters."""
     torch._dynamo.reset()
     runs = []
     for compiled in (False, True):
+        torch._dynamo.utils.counters.clear()
         model = d.quantize_module_(block(device, 0), d.RECIPES[recipe_name])
-        call = torch.compile(model, fullgraph=True) if compiled else model
+        call = torch.compile(model, fullgraph=fullgraph) if compiled else model
         runs.append(train(model, call, device))
-    return runs[0], runs[1]
+    return runs[0], runs[1], _counters()
+
+
+def _counters() -> dict:
+    counters = torch._dynamo.utils.counters
+    return {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
+            "break_reasons": sorted(counters["graph_break"])}
 
 
 def quantize_compiled_vs_eager(recipe_name: str, device, dtype=torch.bfloat16) -> list[str]:
@@ -145,9 +154,9 @@ def graph_breaks_of_model(recipe_name: str, device) -> tuple[int, int, list]:
 
 
 # ---- per-block compile under fully_shard (what torchtitan does) ------------------------------------------
-def per_block_compile_vs_eager(recipe_name: str, style: str, device) -> tuple[dict, dict, dict]:
+def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: bool = True) -> tuple[dict, dict, dict]:
     """Two blocks, each ``fully_shard``-ed, then the root; the compiled run compiles each block
-    with ``fullgraph=True`` first: ``style`` ``"module.compile"`` (``block.compile()``) or
+    first (``fullgraph=True`` unless told otherwise): ``style`` ``"module.compile"`` (``block.compile()``) or
     ``"torch.compile"`` (``torch.compile(block)``, an ``OptimizedModule`` in the block's place).
     Returns the eager and compiled records and the compiled blocks' dynamo counters."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,16 +174,15 @@ def per_block_compile_vs_eager(recipe_name: str, style: str, device) -> tuple[di
             # optimizer looks the high-precision initial values up by name: quantize after it
             # (quantizing before loses them, see test_torch_compile_fqn_keeps_hp_init).
             for i in range(len(model)):
-                model[i] = torch.compile(model[i], fullgraph=True)
+                model[i] = torch.compile(model[i], fullgraph=fullgraph)
         d.quantize_module_(model, recipe)
         for b in model:
             if compiled and style == "module.compile":
-                b.compile(fullgraph=True)
+                b.compile(fullgraph=fullgraph)
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
         seed = 1 + torch.distributed.get_rank()
         runs.append(train(model, model, device, seed=seed))
         if compiled:
-            counters = {"graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
-                        "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+            counters = _counters()
     return runs[0], runs[1], counters

@@ -36,8 +36,9 @@ def test_quantize_and_recipe_functions_compile(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_compiled_model_trains_like_eager(name):
-    eager, compiled = compiled_model_vs_eager(name, DEVICE)
+    eager, compiled, counters = compiled_model_vs_eager(name, DEVICE)
     assert mismatches(eager, compiled) == []
+    assert counters["graph_breaks"] == 0 and counters["unique_graphs"] >= 1, counters
     # The run is not trivially equal: the weights change every step.
     assert eager["planes"][0] != {} and any(
         not torch.equal(a[0], b[0]) for a, b in zip(eager["planes"][0].values(), eager["planes"][-1].values()))
