@@ -194,10 +194,20 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "CPU (FP8 GEMMs run on CUDA; DTENSOR_FP8_GEMMS=on tries torch's CPU kernel)"
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not a 2-D linear"
+    if torch.compiler.is_compiling() and _has_operand_state(weight.recipe, x.device):
+        # The operand states live in _operand_states, keyed by the weight object: a compiled graph
+        # sees a traced stand-in for the weight, so its updates would never reach the map (delayed
+        # scaling's histories would not advance). The emulated linear compiles exactly.
+        return "under torch.compile: the operand scaling state (delayed scaling's amax histories) is kept outside the graph"
     tokens = x.numel() // max(x.shape[-1], 1)
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     # Called at every F.linear: the answer depends only on these, so it is computed once for them.
     return _unsupported(weight.recipe, x.device.type, cc, tokens, weight.shape[0], weight.shape[1], x.dtype, weight.dtype)
+
+
+def _has_operand_state(recipe, device) -> bool:
+    g = gemm_recipe(recipe)
+    return g is not None and (g.input.operand_state(device) is not None or g.grad.operand_state(device) is not None)
 
 
 @functools.lru_cache(maxsize=4096)
