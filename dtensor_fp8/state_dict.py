@@ -100,7 +100,6 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             state_dict[key] = like(p, local_tensor(master).detach().to(dtype, copy=True))
         else:
             state_dict[key] = like(p, local_tensor(p).dequantize(dtype))
-    return state_dict
 
 
 def check_saved_recipe(name: str, saved, recipe) -> None:
@@ -175,8 +174,8 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_k
 def register_state_dict_hooks(module: nn.Module) -> None:
     """Make the FP8 parameters of ``module`` (its own, not its children's) save and load as plane
     tensors (see the note)."""
-    module._register_state_dict_hook(_state_dict_hook)
-    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+    module.register_state_dict_post_hook(_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_load_pre_hook)
 
 
 # ---- high-precision export / import ------------------------------------------------------------------
