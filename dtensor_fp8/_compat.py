@@ -215,6 +215,28 @@ def _group_method_codes() -> frozenset:
     return frozenset(g.__code__ for f in methods for g in (f, inspect.unwrap(f)))
 
 
+@functools.cache
+def _fsdp_param_init_extensions_code():
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return inspect.unwrap(FSDPParam._init_extensions).__code__
+
+
+def fsdp_param_initializing(frame) -> tuple[tuple[int, ...], int] | None:
+    """``(full shape, shard world size)`` of the parameter FSDP2 is setting up when ``frame`` is
+    ``FSDPParam._init_extensions`` (which looks up ``fsdp_pre_all_gather`` on the new local shard,
+    in torch 2.11 and 2.13: the one moment during ``fully_shard`` a shard is told its sharding),
+    else ``None``. Cheap when it is not: one code-object comparison.
+
+    Example:
+        >>> fsdp_param_initializing(sys._getframe(1))   # inside a descriptor's __get__
+    """
+    if frame is None or frame.f_code is not _fsdp_param_init_extensions_code():
+        return None
+    owner = frame.f_locals.get("self")
+    return tuple(owner._orig_size), owner.mesh_info.shard_mesh_size
+
+
 def fsdp_param_group_on_stack(max_depth: int = 16):
     """Fallback of :func:`fsdp_param_group_of`: the ``FSDPParamGroup`` whose method is on the call
     stack (``unshard`` or, on one rank, ``wait_for_unshard``), or ``None``."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import weakref
 from typing import Callable, NamedTuple
 
@@ -198,19 +199,27 @@ class _GatherPlan(NamedTuple):
     shard_view: bool  # one rank and the TE hook views the shard itself (te.py ``views_shard``)
 
 
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
-    """The plan for one kind of gather, after checking it is possible."""
+def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
+    """Raise a :class:`RecipeError` with the fix unless FSDP2 can gather ``usages`` of a weight of
+    ``outer_size`` sharded over ``world`` ranks; returns the planes such a gather sends."""
     stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     check_shardable(outer_size, q.recipe, 0, world, usages)
-    padded_rows = -(-outer_size[0] // world)
     if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
         # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
         # padded shard's exact shape; block scales cannot. Raised on every rank alike.
+        padded_rows = -(-outer_size[0] // world)
         raise RecipeError(
             f"{q.recipe.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
             f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
+    return stored
+
+
+def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
+    """The plan for one kind of gather, after checking it is possible."""
+    stored = _check_gatherable(q, outer_size, world, usages)
+    padded_rows = -(-outer_size[0] // world)
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
     # The unsharded-view hook of the owning module (register_unsharded_view; TE modules via te.py).
     te_view = _UNSHARDED_VIEWS.get(module) if module is not None else None
@@ -408,7 +417,14 @@ class _PreAllGatherHook:
     """Descriptor: ``QuantizedTensor().fsdp_pre_all_gather`` is a :class:`_BoundPreAllGather`."""
 
     def __get__(self, tensor, owner=None):
-        return fsdp_pre_all_gather if tensor is None else _BoundPreAllGather(tensor)
+        if tensor is None:
+            return fsdp_pre_all_gather
+        # ``fully_shard`` looks the hook up once per parameter as it shards it: refuse a sharding no
+        # gather could move there, not at the first forward.
+        sharding = _compat.fsdp_param_initializing(sys._getframe(1))
+        if sharding is not None:
+            _check_gatherable(tensor, sharding[0], sharding[1], tensor.usages)
+        return _BoundPreAllGather(tensor)
 
 
 QuantizedTensor.fsdp_pre_all_gather = _PreAllGatherHook()

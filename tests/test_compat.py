@@ -147,6 +147,33 @@ def test_distributed_accessors(pools):
     assert gathers == [(False, True, False, False), (True, True, False, True), (True, True, True, True)], gathers
 
 
+def _sharding_seen_at_fully_shard(rows):
+    """The sharding fsdp_param_initializing reports while fully_shard sets an FP8 weight up (the
+    fully_shard-time check of dtensor_fp8.fsdp is what calls it)."""
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dtensor_fp8 import fsdp
+
+    seen, check = [], fsdp._check_gatherable
+    fsdp._check_gatherable = lambda q, size, world, usages: seen.append((tuple(size), world)) or check(q, size, world, usages)
+    try:
+        layer = d.quantize_module_(nn.Linear(64, rows, bias=False).to(DEVICE), d.MXFP8())
+        fully_shard(layer, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)))
+    finally:
+        fsdp._check_gatherable = check
+    assert _compat.fsdp_param_initializing(sys._getframe(0)) is None  # any other frame: nothing
+    return seen
+
+
+@touches("fsdp_param_initializing")
+def test_fsdp_param_initializing(pools):
+    world = WORLD_SIZES[0]
+    assert pools[world].run(_sharding_seen_at_fully_shard, 128)[0] == [((128, 64), world)]
+
+
 def test_every_accessor_is_touched():
     public = {name for name, value in vars(_compat).items()
               if not name.startswith("_") and (callable(value) and not inspect.isclass(value) or name.isupper())

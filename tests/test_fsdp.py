@@ -291,13 +291,16 @@ def _uneven(recipe_name, rows):
     layer = nn.Linear(DIM, rows, bias=False).to(DEVICE)
     full = d.quantize(layer.weight.detach(), recipe)
     d.quantize_module_(layer, recipe)
-    fully_shard(layer, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)), reshard_after_forward=True)
+    try:
+        fully_shard(layer, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)), reshard_after_forward=True)
+    except d.RecipeError as e:
+        return f"at fully_shard: {e}"
     x = torch.randn(4, DIM, device=DEVICE, requires_grad=True)
     upstream = torch.randn(4, rows, device=DEVICE)
     try:
         (layer(x) * upstream).sum().backward()
     except d.RecipeError as e:
-        return str(e)
+        return f"at the first forward: {e}"
     expected = upstream @ full.dequantize(torch.float32, "columnwise")
     assert torch.equal(x.grad, expected)
     assert torch.equal(layer(x.detach()), torch.nn.functional.linear(x.detach(), full.dequantize(torch.float32, "rowwise")))
@@ -314,9 +317,10 @@ def test_uneven_shards_with_block_scales_raise_on_every_rank(pools):
     world = WORLD_SIZES[0]
     if world == 1:
         pytest.skip("one rank holds the whole weight: nothing is uneven")
-    messages = pools[world].run(_uneven, "blockwise1d", 255)
-    for msg in messages:
-        assert "unevenly" in msg and "(255, 256)" in msg and "Pad dim 0" in msg, msg
+    for name in ("blockwise1d", "blockwise2d"):  # block-aligned (128 + 127 rows) but uneven
+        for msg in pools[world].run(_uneven, name, 255):
+            assert msg.startswith("at fully_shard:"), msg  # refused when sharding, not at the first forward
+            assert "unevenly" in msg and "(255, 256)" in msg and "Pad dim 0" in msg, msg
 
 
 def _int_reshard(n):
