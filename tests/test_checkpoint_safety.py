@@ -472,3 +472,24 @@ def test_plain_torch_reads_a_checkpoint_with_checksums(pools, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, d.latest_checkpoint(root), str(tmp_path / "plain.pt")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["1", "torch.uint8"], out.stderr
+
+
+def test_checksum_block_sums_wrap_like_torch():
+    """The CPU checksum's numpy block sums equal torch's int64 reduction (the CUDA path), where sums
+    wrap around 2**64, and any flipped bit, any swapped pair of 4 KiB blocks changes the checksum."""
+    import numpy as np
+
+    from dtensor_fp8.checkpoint.checksum import BLOCK_BYTES, _block_sums, tensor_checksum
+
+    words = torch.randint(-2**62, 2**62, (4 * BLOCK_BYTES // 8,), generator=torch.Generator().manual_seed(0))
+    assert np.array_equal(_block_sums(words.view(torch.uint8)), words.view(-1, BLOCK_BYTES // 8).sum(1).numpy())
+    data = torch.randint(0, 256, (4 * BLOCK_BYTES + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    base = tensor_checksum(data)
+    for pos in (0, 5000, 4 * BLOCK_BYTES + 50):  # a block, another block, the partial tail
+        flipped = data.clone()
+        flipped[pos] ^= 1
+        assert tensor_checksum(flipped) != base
+    swapped = data.clone()
+    swapped[:BLOCK_BYTES], swapped[BLOCK_BYTES:2 * BLOCK_BYTES] = data[BLOCK_BYTES:2 * BLOCK_BYTES], data[:BLOCK_BYTES]
+    assert tensor_checksum(swapped) != base
+    assert tensor_checksum(data[:-1]) != base  # length is part of it

@@ -32,6 +32,9 @@ import io
 import os
 import pickle
 import re
+from collections import deque
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -42,7 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from .checksum import bytes_checksum, entry_key, tensor_checksum, write_checksums
+from .checksum import bytes_checksum, copy_with_checksum, entry_key, tensor_checksum, write_checksums
 from .dirs import METADATA_FILE
 from .errors import CheckpointError, UnsafeCheckpointError
 
@@ -179,6 +182,21 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
+def _unreadable(where: str, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"{where} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:300]}): the "
+                           "file is damaged or not this checkpoint's; restore it from a copy, or load another checkpoint")
+
+
+def _commit(future, planner) -> None:
+    req, target = future.result()  # raises the item's CheckpointError
+    planner.commit_tensor(req, target)
+
+
+def _plain_copy(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    return (src.device.type == dst.device.type == "cpu" and src.dtype == dst.dtype and src.is_contiguous()
+            and dst.is_contiguous() and type(dst) is torch.Tensor)
+
+
 def _refused_global(err: BaseException) -> str | None:
     """The global a ``weights_only`` load refused, if that is what ``err`` is."""
     text = str(err)
@@ -225,25 +243,45 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         }
 
     def read_data(self, plan, planner) -> Future:
-        # DCP's own loop, plus: verification, a clear error per item (which entry, which file).
+        # DCP's own loop, plus: verification, a clear error per item (which entry, which file). With
+        # checksums, an item's copy + checksum runs on a worker thread (numpy releases the GIL)
+        # while the next item is read, and is committed once verified.
         per_file: dict[str, list] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for relative, reqs in per_file.items():
-            file = self.fs.concat_path(self.path, relative)
-            try:
-                stream = self.fs.create_stream(file, "rb")
-            except OSError as err:
-                raise CheckpointError(f"{file} cannot be opened{file_rank_note(relative)} ({type(err).__name__}: {err}); "
-                                      "restore it from a copy, or load another checkpoint") from None
-            with stream as f:
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    self._read_item(f, relative, req, planner)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="dtensor_fp8-verify") if self._checksums is not None else None
+        pending: deque = deque()
+        try:
+            for relative, reqs in per_file.items():
+                file = self.fs.concat_path(self.path, relative)
+                try:
+                    stream = self.fs.create_stream(file, "rb")
+                except OSError as err:
+                    raise CheckpointError(f"{file} cannot be opened{file_rank_note(relative)} ({type(err).__name__}: "
+                                          f"{err}); restore it from a copy, or load another checkpoint") from None
+                with stream as f:
+                    for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                        step = self._read_item(f, relative, req, planner)
+                        if step is None:
+                            continue
+                        if pool is None:
+                            _commit(_done(step()), planner)
+                        else:
+                            pending.append(pool.submit(step))
+                            while len(pending) > 1:  # at most one item read ahead
+                                _commit(pending.popleft(), planner)
+            while pending:
+                _commit(pending.popleft(), planner)
+        finally:
+            if pool is not None:  # no worker writes into a target after this returns or raises
+                pool.shutdown(wait=True, cancel_futures=True)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, stream, relative: str, req, planner) -> None:
+    def _read_item(self, stream, relative: str, req, planner):
+        """Read one item; a bytes item is loaded here (None returned), a tensor item returns
+        ``finish``: ``finish()`` verifies and copies it into its target, returning (req, target)."""
         index = req.storage_index
         info = self.storage_data[index]
         chunk = "" if index.offset is None else f" (chunk at offset {tuple(index.offset)})"
@@ -263,28 +301,41 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                         f"{where}: this value asks to unpickle {refused}, outside torch's weights_only allow-list: "
                         "refused before running anything (dtensor_fp8 checkpoints hold only plain values: numbers, "
                         "strings, lists, dicts, tensors). Do not load it unless you trust its source.") from None
-                return
+                return None
             seekable = raw if raw.seekable() else io.BytesIO(raw.read(-1))
-            tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+            stored = torch.load(seekable, map_location="cpu", weights_only=True)
             expected = self._chunks.get((index.fqn, tuple(index.offset)))
-            if not isinstance(tensor, torch.Tensor) or (expected and (tensor.dtype, tuple(tensor.shape)) != expected):
-                got = (tensor.dtype, tuple(tensor.shape)) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            if not isinstance(stored, torch.Tensor) or (expected and (stored.dtype, tuple(stored.shape)) != expected):
+                got = (stored.dtype, tuple(stored.shape)) if isinstance(stored, torch.Tensor) else type(stored).__name__
                 raise CheckpointError(f"{where} holds {got}, .metadata says {expected}: the file is corrupted or "
                                       "belongs to another checkpoint; restore it from a copy")
-            self._verify(index, where, lambda: tensor_checksum(tensor), tensor.numel() * tensor.element_size())
-            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            tensor = _narrow(stored, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise CheckpointError(f"{where}: the state dict's chunk is {tuple(target.size())}, the stored one "
                                       f"{tuple(tensor.size())}")
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
         except CheckpointError:
             raise
         except Exception as err:  # noqa: BLE001  (named here, re-raised on every rank by DCP and agree())
-            raise CheckpointError(f"{where} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:300]}): "
-                                  "the file is damaged or not this checkpoint's; restore it from a copy, or load "
-                                  "another checkpoint") from err
+            raise _unreadable(where, err) from err
+        nbytes = stored.numel() * stored.element_size()
+
+        def finish():
+            try:
+                if self._checksums is not None and tensor is stored and _plain_copy(stored, target):
+                    # the whole item into a CPU target: copy and checksum in one pass
+                    checksum = copy_with_checksum(stored, target)
+                    self._verify(index, where, lambda: checksum, nbytes)
+                else:
+                    self._verify(index, where, lambda: tensor_checksum(stored), nbytes)
+                    target.copy_(tensor)
+            except CheckpointError:
+                raise
+            except Exception as err:  # noqa: BLE001
+                raise _unreadable(where, err) from err
+            return req, target
+
+        return finish
 
     def _verify(self, index, where: str, checksum, nbytes: int) -> None:
         if self._checksums is None:
@@ -322,20 +373,47 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 # ---- writing: a checksum per stored item ----------------------------------------------------------------
 class ChecksumSavePlanner(dcp.DefaultSavePlanner):
     """DCP's default save planner that records the checksum of every item as DCP writes it (the
-    bytes DCP gets from ``resolve_data``: a tensor chunk, or a value's ``torch.save`` bytes)."""
+    bytes DCP gets from ``resolve_data``: a tensor chunk, or a value's ``torch.save`` bytes).
+
+    A CPU tensor's checksum runs on a worker thread (numpy releases the GIL) while DCP serializes
+    and writes the same tensor, so it hides behind DCP's own work where a core is free;
+    :meth:`collect` waits for them.
+    """
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.checksums: dict = {}
+        self._pending: dict = {}
+        self._pool = None
 
     def resolve_data(self, write_item):
         data = super().resolve_data(write_item)
         if isinstance(data, torch.Tensor):
-            self.checksums[write_item.index] = (tensor_checksum(data), data.numel() * data.element_size())
+            nbytes = data.numel() * data.element_size()
+            if data.device.type == "cpu":
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="dtensor_fp8-checksum")
+                self._pending[write_item.index] = (self._pool.submit(tensor_checksum, data), nbytes)
+            else:  # torch's reduction on the device; only the block sums come back
+                self._pending[write_item.index] = (_done(tensor_checksum(data)), nbytes)
         else:
             with data.getbuffer() as view:
-                self.checksums[write_item.index] = (bytes_checksum(view), view.nbytes)
+                self._pending[write_item.index] = (_done(bytes_checksum(view)), view.nbytes)
         return data
+
+    def collect(self) -> dict:
+        """``{index: (checksum, nbytes)}`` of every item resolved so far (waits for the worker)."""
+        try:
+            return {index: (future.result(), nbytes) for index, (future, nbytes) in self._pending.items()}
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+
+def _done(value):
+    future: ConcurrentFuture = ConcurrentFuture()
+    future.set_result(value)
+    return future
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +437,11 @@ class ChecksumFileSystemWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         if not isinstance(planner, ChecksumSavePlanner):
             raise TypeError("ChecksumFileSystemWriter needs a ChecksumSavePlanner (it records the checksums)")
-        results = super().write_data(plan, planner).wait()
-        wrapped = [dataclasses.replace(r, storage_data=_Checksummed(r.storage_data, *planner.checksums[r.index]))
+        try:
+            results = super().write_data(plan, planner).wait()
+        finally:
+            checksums = planner.collect()
+        wrapped = [dataclasses.replace(r, storage_data=_Checksummed(r.storage_data, *checksums[r.index]))
                    for r in results]
         fut: Future = Future()
         fut.set_result(wrapped)

@@ -274,8 +274,21 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
                 f"{value.dtype} {tuple(value.shape)} in the state dict (a model of other dimensions, or another "
                 "master / state dtype?). Fix: build the model and optimizer as they were saved")
         else:
-            copies[key] = like(value, local_tensor(value).clone())
+            covered = sum(_numel(c.sizes) for c in meta.chunks)
+            if covered != _numel(meta.size):
+                raise CheckpointError(
+                    f"{path}: the chunks of entry {key!r} in .metadata cover {covered} of its {_numel(meta.size)} "
+                    "elements: the metadata is damaged or not this checkpoint's; restore it from a copy")
+            # every element is read (the chunks cover the entry), so no need to copy the old values
+            copies[key] = like(value, torch.empty_like(local_tensor(value)))
     return _Plan(copies, blobs, missing, unexpected)
+
+
+def _numel(size) -> int:
+    n = 1
+    for s in size:
+        n *= int(s)
+    return n
 
 
 def _mismatch_message(path: str, missing: list, unexpected: list, saved: dict, asked: int) -> str:
