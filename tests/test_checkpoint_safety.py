@@ -493,3 +493,24 @@ def test_checksum_block_sums_wrap_like_torch():
     swapped[:BLOCK_BYTES], swapped[BLOCK_BYTES:2 * BLOCK_BYTES] = data[BLOCK_BYTES:2 * BLOCK_BYTES], data[:BLOCK_BYTES]
     assert tensor_checksum(swapped) != base
     assert tensor_checksum(data[:-1]) != base  # length is part of it
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_verification_policy(tmp_path):
+    """verify=None checks what has checksums, verify=True requires them, a damaged checksums.json
+    is named (and verify=False still loads the checkpoint)."""
+    plain = str(tmp_path / "plain")
+    dcp.save({"x": torch.arange(4.0)}, checkpoint_id=plain)  # plain DCP: no checksums
+    state = {"x": torch.zeros(4)}
+    d.load_checkpoint(state, plain)
+    assert torch.equal(state["x"], torch.arange(4.0))
+    with pytest.raises(CheckpointError, match=f"has no {CHECKSUMS_FILE}.*verify=None or False"):
+        d.load_checkpoint(state, plain, verify=True)
+    root = str(tmp_path / "ckpt")
+    d.save_checkpoint({"x": torch.arange(4.0)}, root, 1)
+    path = d.latest_checkpoint(root)
+    with open(os.path.join(path, CHECKSUMS_FILE), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match=f"{CHECKSUMS_FILE} is not readable JSON.*verify=False"):
+        d.load_checkpoint(state, path)
+    d.load_checkpoint(state, path, verify=False)

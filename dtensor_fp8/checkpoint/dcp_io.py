@@ -1,7 +1,8 @@
 """DCP reading and writing that runs no code, verifies checksums and names the entry at fault.
 
 The one module that touches DCP's internals (checked against torch 2.11 and 2.13, whose
-``filesystem.py`` / ``metadata.py`` / ``_nested_dict.py`` are the same code): the values of
+``filesystem.py`` / ``metadata.py`` / ``_nested_dict.py`` / ``_traverse.py`` are the same code but
+for typing and one ``dataclasses.replace`` in ``FileSystemWriter.finish``): the values of
 ``FileSystemReader.storage_data`` (``filesystem._StorageInfo``: ``relative_path``, ``offset``,
 ``length``, ``transform_descriptors``), the reader's ``fs`` / ``_slice_file`` / ``transforms``,
 and ``_nested_dict.flatten_state_dict`` / ``_traverse.set_element``.
@@ -16,13 +17,15 @@ and ``_nested_dict.flatten_state_dict`` / ``_traverse.set_element``.
   strings) with ``torch.load(weights_only=False)``: the same;
 - reads tensors with ``torch.load(weights_only=True)`` (safe).
 
-Here ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the classes a real
-metadata file names (DCP's metadata dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes, the
-layout helper, ``pathlib`` paths; listed from files written by torch 2.11 and 2.13) and refuses
-anything else before it runs; bytes entries are read with ``weights_only=True``
-(:class:`SafeLoadPlanner`). A plain ``dcp.load`` user gets the same with
-``storage_reader=dtensor_fp8.checkpoint.SafeFileSystemReader(path)`` (values still go through the
-planner: pass one that loads bytes with ``weights_only=True``).
+Here ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the globals a real
+metadata file names (DCP's metadata dataclasses and ``_MEM_FORMAT_ENCODING``, ``_StorageInfo``,
+``torch.Size``, dtypes, ``torch.serialization._get_layout``, ``pathlib`` paths: what torch 2.13
+writes for tensors, DTensors and values of every kind, and what torch 2.11's identical classes
+pickle; plus ``set`` / ``frozenset`` / ``OrderedDict``) and refuses anything else before it runs;
+bytes entries are read with ``weights_only=True`` (:class:`SafeLoadPlanner`). A plain
+``dcp.load`` user gets the metadata part with
+``storage_reader=dtensor_fp8.checkpoint.SafeFileSystemReader(path)``; values still go through the
+load planner, and ``DefaultLoadPlanner`` reads them with ``weights_only=False``.
 """
 
 from __future__ import annotations
