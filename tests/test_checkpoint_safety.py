@@ -342,10 +342,11 @@ def test_real_metadata_reads_with_the_allow_list(pools, tmp_path):
 
 
 # ---- corruption ---------------------------------------------------------------------------------------------
-def _largest_tensor_item(path, file_name):
+def _master_item(path, file_name):
+    """The largest FP32 master chunk stored in ``file_name``: (index, storage info)."""
     md = read_metadata(path)
     items = [(info.length, index, info) for index, info in md.storage_data.items()
-             if info.relative_path == file_name and index.offset is not None]
+             if info.relative_path == file_name and index.fqn.endswith(".master")]
     return max(items, key=lambda t: t[0])[1:]
 
 
@@ -355,14 +356,14 @@ def test_overwritten_bytes_are_detected_on_any_world_size(pools, tmp_path):
     the file, at the saving world size and at one rank (which reads the other rank's items), with
     the model untouched. Without verification the damage loads silently, as plain DCP loads it."""
     root = str(tmp_path / "ckpt")
-    pools[WORLD].run(_save, root)
+    saved = pools[WORLD].run(_save, root)[0]
     path = d.latest_checkpoint(root)
-    index, info = _largest_tensor_item(path, "__1_0.distcp")
+    index, info = _master_item(path, "__1_0.distcp")
     file = os.path.join(path, "__1_0.distcp")
     size = os.path.getsize(file)
-    with open(file, "r+b") as f:
-        f.seek(info.offset + info.length // 2)
-        f.write(bytes(range(256)))
+    with open(file, "r+b") as f:  # finite values (fp32 12345.0): damage nothing else would notice
+        f.seek(info.offset + info.length // 2 // 4 * 4)
+        f.write(torch.full((64,), 12345.0).numpy().tobytes())
     assert os.path.getsize(file) == size
     for world in (WORLD, 1):
         for (kind, msg), untouched, _ in pools[world].run(_try_load, path):
@@ -370,7 +371,10 @@ def test_overwritten_bytes_are_detected_on_any_world_size(pools, tmp_path):
             assert f"entry {index.fqn!r}" in msg and file in msg and "written by rank 1" in msg, msg
             assert untouched
     results = pools[WORLD].run(_try_load, path, "mxfp8", True, False)
-    assert all(error is None for error, _, _ in results)  # verify=False: the damage goes through
+    assert all(error is None for error, _, _ in results), [r[0] for r in results]
+    loaded = results[0][2]  # verify=False (as plain DCP): the damage goes through silently
+    param = index.fqn[len("optim.state."):-len(".master")]
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == [f"{param}/master"]
 
 
 def test_checksum_file_is_plain_json_covering_every_item(pools, tmp_path):

@@ -3,8 +3,8 @@ errors that name the entry, file and rank (and surface on every rank).
 
 - :func:`save_checkpoint` / :func:`load_checkpoint` / :func:`latest_checkpoint` (``save_load.py``);
 - the directory layout and the ``latest`` pointer (``dirs.py``);
-- DCP reading / writing without unpickling code, with checksums (``dcp_io.py``, the one module that
-  touches DCP internals; ``checksum.py``);
+- DCP reading / writing without unpickling code, with checksums (``dcp_io.py``, ``checksum.py``;
+  DCP's internals only through ``dtensor_fp8/_compat.py``);
 - errors, and one error on every rank (``errors.py``).
 """
 

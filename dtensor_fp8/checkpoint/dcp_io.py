@@ -1,11 +1,11 @@
 """DCP reading and writing that runs no code, verifies checksums and names the entry at fault.
 
-The one module that touches DCP's internals (checked against torch 2.11 and 2.13, whose
-``filesystem.py`` / ``metadata.py`` / ``_nested_dict.py`` / ``_traverse.py`` are the same code but
-for typing and one ``dataclasses.replace`` in ``FileSystemWriter.finish``): the values of
-``FileSystemReader.storage_data`` (``filesystem._StorageInfo``: ``relative_path``, ``offset``,
-``length``, ``transform_descriptors``), the reader's ``fs`` / ``_slice_file`` / ``transforms``,
-and ``_nested_dict.flatten_state_dict`` / ``_traverse.set_element``.
+The checkpoint package reaches DCP's internals only through ``dtensor_fp8/_compat.py`` (the
+metadata globals allow-list, a stored item's byte stream, ``flatten_state_dict`` /
+``set_state_dict_element``); otherwise it relies on DCP's storage API and on the fields of ``FileSystemReader.storage_data``'s
+values (``relative_path``, ``offset``, ``length``), the same in torch 2.11 and 2.13, whose
+``filesystem.py`` / ``metadata.py`` differ only in typing and one ``dataclasses.replace`` in
+``FileSystemWriter.finish``.
 
 [Note: what DCP unpickles]
 ``torch.distributed.checkpoint.load`` with the default ``FileSystemReader`` and
@@ -18,10 +18,9 @@ and ``_nested_dict.flatten_state_dict`` / ``_traverse.set_element``.
 - reads tensors with ``torch.load(weights_only=True)`` (safe).
 
 Here ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the globals a real
-metadata file names (DCP's metadata dataclasses and ``_MEM_FORMAT_ENCODING``, ``_StorageInfo``,
-``torch.Size``, dtypes, ``torch.serialization._get_layout``, ``pathlib`` paths: what torch 2.13
-writes for tensors, DTensors and values of every kind, and what torch 2.11's identical classes
-pickle; plus ``set`` / ``frozenset`` / ``OrderedDict``) and refuses anything else before it runs;
+metadata file names (``_compat.DCP_METADATA_GLOBALS``: what torch 2.13 writes for tensors,
+DTensors and values of every kind, and what torch 2.11's identical classes pickle) and dtypes, and
+refuses anything else before it runs;
 bytes entries are read with ``weights_only=True`` (:class:`SafeLoadPlanner`). A plain
 ``dcp.load`` user gets the metadata part with
 ``storage_reader=dtensor_fp8.checkpoint.SafeFileSystemReader(path)``; values still go through the
@@ -41,34 +40,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # noqa: F401  (re-exported)
-from torch.distributed.checkpoint._traverse import set_element  # noqa: F401  (re-exported)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from .._compat import DCP_METADATA_GLOBALS, dcp_item_stream
 from .checksum import bytes_checksum, copy_with_checksum, entry_key, tensor_checksum, write_checksums
 from .dirs import METADATA_FILE
 from .errors import CheckpointError, UnsafeCheckpointError
 
 # ---- .metadata without running code -----------------------------------------------------------------------
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-                 "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how torch.layout pickles (a name lookup)
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"),
-    # StorageMeta.checkpoint_id may be a path
-    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-}
-
-
 def _torch_dtype_names() -> frozenset[str]:
     return frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
 
@@ -85,7 +67,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     _dtypes: frozenset[str] | None = None
 
     def find_class(self, module, name):
-        if (module, name) in _METADATA_CLASSES:
+        if (module, name) in DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch":
             if _MetadataUnpickler._dtypes is None:
@@ -290,7 +272,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         chunk = "" if index.offset is None else f" (chunk at offset {tuple(index.offset)})"
         where = f"entry {index.fqn!r}{chunk} in {os.path.join(os.fspath(self.path), relative)}{file_rank_note(relative)}"
         try:
-            raw = self.transforms.transform_load_stream(req, info.transform_descriptors or (), self._slice_file(stream, info))
+            raw = dcp_item_stream(self, stream, info, req)
             if req.type == LoadItemType.BYTE_IO:
                 data = raw.read(-1)
                 self._verify(index, where, lambda: bytes_checksum(data), len(data))

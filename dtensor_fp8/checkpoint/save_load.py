@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from .._compat import flatten_state_dict, set_state_dict_element
 from ..formats.config import recipe_from_config
 from ..placement import like, local_tensor
 from ..state_dict import RECIPE_KEY, check_saved_recipe
@@ -33,9 +34,7 @@ from .dcp_io import (
     check_files,
     dcp_failure_class,
     describe_dcp_failure,
-    flatten_state_dict,
     read_metadata,
-    set_element,
 )
 from .dirs import commit_save, discard_save, partial_dir, prepare_save, resolve_latest, step_dir_name
 from .errors import CheckpointError, CheckpointRecipeError, agree
@@ -175,7 +174,7 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
         for key, value in plan.copies.items():
             if key in plan.blobs or not isinstance(value, torch.Tensor):
                 # a module's opaque extra state (replaced, whatever its length was), or a plain value
-                set_element(state_dict, mappings[key], value)
+                set_state_dict_element(state_dict, mappings[key], value)
             else:
                 flat[key].copy_(value)
     return LoadResult(plan.missing, plan.unexpected)
