@@ -286,8 +286,35 @@ def is_compiled_module(module: nn.Module) -> bool:
 
 
 # ======================================================================================================
-# DCP (torch.distributed.checkpoint) -- for checkpoint.py
+# DCP (torch.distributed.checkpoint) -- for checkpoint/
 # ======================================================================================================
+
+#: The globals a DCP ``.metadata`` pickle names, in torch 2.11 and 2.13 (``metadata.py`` and
+#: ``filesystem.py`` define the same classes in both): the metadata dataclasses and their
+#: memory-format enum, ``filesystem._StorageInfo``, ``torch.Size``, the layout helper
+#: ``torch.serialization._get_layout``, ``pathlib`` paths (``StorageMeta.checkpoint_id``); plus
+#: ``set`` / ``frozenset`` / ``OrderedDict``. Dtypes (``torch.<dtype>``) are allowed separately.
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+})
+
+
+def dcp_item_stream(reader, stream, storage_info, read_item):
+    """The bytes of one stored item, as ``FileSystemReader.read_data`` reads them: its slice of the
+    open file (``reader._slice_file``) through DCP's stream transforms (``reader.transforms``, none
+    unless the checkpoint was written with DCP's experimental extensions). Both versions."""
+    raw = reader._slice_file(stream, storage_info)
+    return reader.transforms.transform_load_stream(read_item, storage_info.transform_descriptors or (), raw)
 
 
 def flatten_state_dict(state_dict: dict):

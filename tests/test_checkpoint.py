@@ -264,22 +264,21 @@ def test_module_extra_state_of_another_length_loads(pools, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process on purpose
-def test_unreadable_entries_do_not_blame_extra_state_of_another_length(tmp_path):
-    """When a load fails, the entries named unreadable are the ones DCP cannot read, not an extra
-    state that is merely longer in the checkpoint than in the fresh model (one process, no group)."""
-    import torch.distributed.checkpoint as dcp
-    from dtensor_fp8.checkpoint import _check_against_metadata, _unreadable_entries
-
-    path = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.arange(6.0), "m._extra_state": torch.arange(10, dtype=torch.uint8)}, checkpoint_id=path)
+def test_extra_state_of_another_length_is_not_a_mismatch(tmp_path):
+    """An extra state merely longer in the checkpoint than in the fresh model loads at its saved
+    length; real mismatches (a missing entry, another shape) are named (one process, no group)."""
+    root = str(tmp_path / "ckpt")
+    d.save_checkpoint({"w": torch.arange(6.0), "m._extra_state": torch.arange(10, dtype=torch.uint8)}, root, 1)
+    path = d.latest_checkpoint(root)
     fresh = {"w": torch.zeros(6), "m._extra_state": torch.zeros(0, dtype=torch.uint8), "gone": torch.zeros(2)}
-    with pytest.raises(d.RecipeError, match="gone: missing"):
-        _check_against_metadata(fresh, path)
+    with pytest.raises(d.CheckpointError, match=r"asks for 1 entry the checkpoint lacks: \['gone'\]"):
+        d.load_checkpoint(fresh, path)
     del fresh["gone"]
-    blobs = _check_against_metadata(fresh, path)
-    assert list(blobs) == ["m._extra_state"] and blobs["m._extra_state"].shape == (10,)
-    assert _unreadable_entries(fresh, path, blobs) == []
-    assert _unreadable_entries({"w": torch.zeros(7)}, path, {}) == ["w"]  # a real mismatch is named
+    d.load_checkpoint(fresh, path)
+    assert torch.equal(fresh["m._extra_state"], torch.arange(10, dtype=torch.uint8))
+    assert torch.equal(fresh["w"], torch.arange(6.0))
+    with pytest.raises(d.CheckpointError, match=r"'w' is torch.float32 \(6,\) in the checkpoint, torch.float32 \(7,\)"):
+        d.load_checkpoint({"w": torch.zeros(7)}, path, strict=False)
 
 
 def test_truncated_shard_file_names_entries_and_loads_nothing(pools, tmp_path):
@@ -291,7 +290,8 @@ def test_truncated_shard_file_names_entries_and_loads_nothing(pools, tmp_path):
     with open(os.path.join(path, shard), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(path, shard)) // 3)
     msgs = pools[world].run(_load_expecting_error, root, "mxfp8")
-    assert all(m.startswith("RuntimeError") and "unreadable entries: ['" in m and "was not modified" in m for m in msgs), msgs
+    assert all(m.startswith("CheckpointError") and shard in m and "truncated" in m and "model.0.weight." in m
+               and "was not modified" in m for m in msgs), msgs
 
 
 # ---- a save interrupted by a failing rank ----------------------------------------------------------------------

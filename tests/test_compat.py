@@ -69,6 +69,42 @@ def test_dcp_helpers():
     assert nested["a"]["b"].item() == 7.0
 
 
+@touches("DCP_METADATA_GLOBALS", "dcp_item_stream")
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_metadata_globals_and_item_stream(tmp_path):
+    """A real .metadata names only DCP_METADATA_GLOBALS and dtypes (the CPU and GPU runs check both
+    torch versions); dcp_item_stream gives a stored item's own bytes."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.arange(6.0), "u8": torch.zeros(2, dtype=torch.uint8), "e4m3": torch.zeros(2, dtype=torch.float8_e4m3fn),
+              "cl": torch.zeros(1, 2, 3, 4).to(memory_format=torch.channels_last), "step": 3, "lr": [1e-3, {"b": (0.9,)}]},
+             checkpoint_id=path)
+    seen = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with open(f"{path}/.metadata", "rb") as f:
+        metadata = Recording(f).load()
+    dtypes = {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+    assert seen - dtypes <= _compat.DCP_METADATA_GLOBALS, seen - dtypes - _compat.DCP_METADATA_GLOBALS
+    reader = dcp.FileSystemReader(path)
+    reader.set_up_storage_reader(metadata, True)
+    index = MetadataIndex("w", [0])
+    info = metadata.storage_data[index]
+    with open(f"{path}/{info.relative_path}", "rb") as stream:
+        data = _compat.dcp_item_stream(reader, stream, info, None).read()
+    assert len(data) == info.length
+    import io
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), torch.arange(6.0))
+
+
 @touches("functional_collectives", "dtensor_shard_dim_alltoall", "c10d_source_rank_ops", "legacy_all_gather_op")
 def test_op_handles():
     c10d = _compat.functional_collectives()

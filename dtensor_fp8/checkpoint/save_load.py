@@ -1,0 +1,338 @@
+"""``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``: DCP checkpoints that are atomic
+per step, run no code when opened, detect corruption, and fail alike on every rank with errors that
+name the entry, file and rank at fault.
+
+The state dicts are torch's own (``torch.distributed.checkpoint.state_dict.get_state_dict``, or
+``model.state_dict()`` / ``optimizer.state_dict()``, plus any plain values); how an FP8 weight
+appears in them is ``dtensor_fp8/state_dict.py``'s note. The directories are ``dirs.py``'s note,
+the reading and writing ``dcp_io.py``'s, the checksums ``checksum.py``'s, and errors on every rank
+``errors.py``'s.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .._compat import flatten_state_dict, set_state_dict_element
+from ..formats.config import recipe_from_config
+from ..placement import like, local_tensor
+from ..state_dict import RECIPE_KEY, check_saved_recipe
+from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
+from .dcp_io import (
+    ChecksumFileSystemWriter,
+    ChecksumSavePlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_files,
+    dcp_failure_class,
+    describe_dcp_failure,
+    read_metadata,
+)
+from .dirs import commit_save, discard_save, partial_dir, prepare_save, resolve_latest, step_dir_name
+from .errors import CheckpointError, CheckpointRecipeError, agree
+
+#: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
+#: uint8 tensor whose length changes (empty before the first FP8 forward).
+_EXTRA_STATE_SUFFIX = "_extra_state"
+_SHOWN = 8  # keys listed in a message
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_checkpoint` left out (both empty unless ``strict=False``), as torch's
+    ``load_state_dict`` reports it."""
+
+    missing_keys: list[str]  #: asked for by the state dict, absent from the checkpoint (kept as they were)
+    unexpected_keys: list[str]  #: in the checkpoint, not asked for (not loaded)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+# ---- save ------------------------------------------------------------------------------------------------------
+def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=None) -> str:
+    """``dcp.save`` into ``root/step-<step>``, atomically: written aside, swapped in once every rank
+    has finished, then ``root/latest`` pointed at it.
+
+    A save that fails on any rank raises the same :class:`CheckpointError` on every rank, removes
+    its partial directory and leaves ``latest`` and every step directory as they were; one killed
+    mid-save leaves them as they were too (the next save removes what it left). A re-save of an
+    existing step replaces it only once the new one is complete. Each stored item gets a checksum
+    (``checksums.json`` beside DCP's ``.metadata``), verified by :func:`load_checkpoint`.
+
+    Args:
+        state_dict: e.g. ``{"model": model_sd, "optim": optim_sd, "step": step}`` (tensors, DTensors
+            and plain values).
+        root: checkpoint root directory (shared by all ranks; one job saves there at a time).
+        step: training step, names the sub-directory (``step-00000042``).
+        process_group: the ranks that save (default: all).
+
+    Returns:
+        The checkpoint directory written.
+
+    Example:
+        >>> model_sd, optim_sd = get_state_dict(model, opt)
+        >>> dtensor_fp8.save_checkpoint({"model": model_sd, "optim": optim_sd, "step": step}, "ckpt", step)
+    """
+    name = step_dir_name(step)
+    what = f"save_checkpoint(step {step} into {root})"
+    first = _rank(process_group) == 0
+    partial = agree(what, lambda: prepare_save(root, name) if first else partial_dir(root, name), group=process_group)
+    try:
+        agree(what, _dcp_save, state_dict, partial, process_group, group=process_group,
+              after=" Nothing was committed: `latest` and every step directory are as before this save, and its "
+                    "partial directory is removed.")
+    except CheckpointError as err:
+        if first and not getattr(err, "ranks_lost", False):  # every rank has stopped writing
+            discard_save(root, name)
+        raise
+    return agree(what, lambda: commit_save(root, name) if first else os.path.join(root, name), group=process_group)
+
+
+def _dcp_save(state_dict: dict, path: str, group) -> None:
+    try:
+        dcp.save(state_dict, storage_writer=ChecksumFileSystemWriter(path), planner=ChecksumSavePlanner(),
+                 process_group=group)
+    except CheckpointException as err:  # the same on every rank
+        raise _from_dcp(err) from None
+
+
+def _from_dcp(err: CheckpointException) -> CheckpointError:
+    error = dcp_failure_class(err)(describe_dcp_failure(err))
+    error.names_ranks = True  # "rank 1: ...": agree() adds no rank list of its own
+    return error
+
+
+def latest_checkpoint(root: str) -> str:
+    """The directory ``root/latest`` names: the last save that completed on every rank.
+
+    Raises:
+        CheckpointError: no pointer, an empty one, one naming something outside ``root`` (``../x``,
+            an absolute path, a separator) or a directory that is missing or incomplete; the message
+            lists the complete checkpoints there.
+
+    Example:
+        >>> dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint("ckpt"))
+    """
+    return resolve_latest(root)
+
+
+# ---- load ------------------------------------------------------------------------------------------------------
+class _Opened(NamedTuple):
+    metadata: Metadata
+    checksums: dict | None
+
+
+def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify: bool | None = None,
+                    process_group=None) -> LoadResult:
+    """``dcp.load`` into ``state_dict`` (in place), safely and all-or-nothing.
+
+    Load into the state dicts of a fresh model and optimizer (``get_state_dict(model, opt)``), then
+    ``set_state_dict``. Tensors and plain values (step counters, scheduler state, param groups) are
+    restored; nothing is unpickled except DCP's metadata classes and ``weights_only`` values; each
+    stored item's checksum is verified as it is read. Every check runs before anything is written
+    into ``state_dict``, and a failure on any rank raises the same :class:`CheckpointError` on
+    every rank naming the entry, file and rank, with ``state_dict`` untouched.
+
+    Args:
+        state_dict: the state dict to fill (its tensors give the target sharding).
+        path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
+        strict: every entry of the checkpoint must be asked for by ``state_dict`` and the reverse
+            (errors name the extra / missing entries). False loads the entries both hold and
+            returns the others; an FP8 weight still loads whole or not at all.
+        verify: check the checksums ``save_checkpoint`` stored; None (default): where the
+            checkpoint has them (plain ``dcp.save`` writes none); True: require them; False: skip.
+        process_group: the ranks that load (default: all).
+
+    Returns:
+        :class:`LoadResult` (empty lists unless ``strict=False``).
+
+    Example:
+        >>> model_sd, optim_sd = get_state_dict(model, opt)
+        >>> state = {"model": model_sd, "optim": optim_sd, "step": 0}
+        >>> dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint("ckpt"))
+        >>> set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    """
+    path = os.fspath(path)
+    what = f"load_checkpoint({path})"
+    group, untouched = process_group, " The state dict was not modified."
+    opened = agree(what, _open, path, verify, group=group, after=untouched)
+    flat, mappings = flatten_state_dict(state_dict)
+    recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
+    agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, group=group, after=untouched)
+    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, group, group=group, after=untouched)
+    agree(what, _dcp_load, plan.copies, path, opened, group, group=group, after=untouched)
+    with torch.no_grad():
+        for key, value in plan.copies.items():
+            if key in plan.blobs or not isinstance(value, torch.Tensor):
+                # a module's opaque extra state (replaced, whatever its length was), or a plain value
+                set_state_dict_element(state_dict, mappings[key], value)
+            else:
+                flat[key].copy_(value)
+    return LoadResult(plan.missing, plan.unexpected)
+
+
+def _open(path: str, verify: bool | None) -> _Opened:
+    metadata = read_metadata(path)
+    check_files(path, metadata)
+    checksums = None
+    if verify is not False:
+        try:
+            checksums = read_checksums(path)
+        except ChecksumFileError as err:
+            raise CheckpointError(str(err)) from None
+        if checksums is None and verify:
+            raise CheckpointError(f"{path} has no {CHECKSUMS_FILE} (written by plain dcp.save, or before dtensor_fp8 "
+                                  "stored checksums): it cannot be verified; pass verify=None or False to load it "
+                                  "unverified")
+    return _Opened(metadata, checksums)
+
+
+def _check_fp8_layout(flat: dict, recipes: dict, metadata: Metadata, path: str) -> None:
+    """An FP8 model and a checkpoint of its weights in high precision (or the reverse) are told so."""
+    saved = metadata.state_dict_metadata
+    hp = [k.rsplit(".", 1)[0] for k in recipes if k not in saved and isinstance(saved.get(k.rsplit(".", 1)[0]),
+                                                                               TensorStorageMetadata)]
+    if hp:
+        md = saved[hp[0]]
+        raise CheckpointRecipeError(
+            f"{path} holds {_listed(hp)} in high precision ({md.properties.dtype} tensors, e.g. {tuple(md.size)}), the "
+            "model as FP8 weights. Fix: read it into dtensor_fp8.export_hp_state_dict(model) with dcp.load, then "
+            "dtensor_fp8.load_hp_state_dict(model, that, optimizer=opt) (quantizes on load)")
+    fp8_in_ckpt = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and f"{k}.{RECIPE_KEY}" in saved]
+    if fp8_in_ckpt:
+        raise CheckpointRecipeError(
+            f"{path} holds {_listed(fp8_in_ckpt)} as FP8 weights (planes + recipe), the model in high precision. Fix: "
+            "quantize the model with the checkpoint's recipe first (dtensor_fp8.quantize_module_), or export the "
+            "checkpoint to high precision from an FP8 model (dtensor_fp8.export_hp_state_dict)")
+
+
+class _Plan(NamedTuple):
+    copies: dict  # key -> what DCP fills: a clone of the tensor, a buffer of the saved size, or the value
+    blobs: set  # keys of extra states read at their saved length
+    missing: list
+    unexpected: list
+
+
+def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict: bool, group) -> _Plan:
+    """Recipes first (a small collective read on every rank), then presence, kind, shape and dtype of
+    every entry, before any tensor is read."""
+    saved = opened.metadata.state_dict_metadata
+    present_recipes = {k: None for k in recipes if k in saved}
+    # on every rank, even with no recipes: this is a collective
+    _dcp_load(present_recipes, path, opened, group)
+    for key, theirs in present_recipes.items():
+        try:
+            check_saved_recipe(key.rsplit(".", 1)[0], theirs, recipe_from_config(recipes[key]))
+        except CheckpointError:
+            raise
+        except ValueError as err:  # RecipeError: both recipes named, and the fix
+            raise CheckpointRecipeError(str(err)) from None
+
+    missing = [k for k in flat if k not in saved]
+    unexpected = sorted(k for k in saved if k not in flat)
+    groups = {k.rsplit(".", 1)[0] for k in recipes}
+    # weights whose recipe entry is saved but some plane is not (a weight missing whole is just missing)
+    torn = sorted({k.rsplit(".", 1)[0] for k in missing} & {g for g in groups if f"{g}.{RECIPE_KEY}" in saved})
+    if torn:
+        lacking = [k for k in missing if k.rsplit(".", 1)[0] in torn]
+        raise CheckpointRecipeError(
+            f"{path}: the FP8 weight{'s' if len(torn) > 1 else ''} {_listed(torn)} lack{'' if len(torn) > 1 else 's'} "
+            f"{_listed(lacking)} in the checkpoint (another recipe's planes? a checkpoint edited by hand?). An FP8 "
+            "weight loads whole or not at all. Fix: build the model with the recipe and usages it was saved with")
+    if strict and (missing or unexpected):
+        raise CheckpointError(_mismatch_message(path, missing, unexpected, saved, len(flat)))
+
+    copies, blobs = {}, set()
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if meta is None:
+            continue
+        is_tensor = isinstance(meta, TensorStorageMetadata)
+        if isinstance(value, torch.Tensor) != is_tensor:
+            raise CheckpointError(
+                f"{path}: entry {key!r} is {'a tensor' if is_tensor else 'a plain value'} in the checkpoint, "
+                f"{'a tensor' if isinstance(value, torch.Tensor) else type(value).__name__} in the state dict. Fix: "
+                "build the state dict the checkpoint was saved from (the same model, optimizer and values)")
+        if not is_tensor:
+            copies[key] = value
+        elif _is_extra_state(key) and not isinstance(value, DTensor):
+            copies[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
+            blobs.add(key)
+        elif tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+            raise CheckpointError(
+                f"{path}: entry {key!r} is {meta.properties.dtype} {tuple(meta.size)} in the checkpoint, "
+                f"{value.dtype} {tuple(value.shape)} in the state dict (a model of other dimensions, or another "
+                "master / state dtype?). Fix: build the model and optimizer as they were saved")
+        else:
+            covered = sum(_numel(c.sizes) for c in meta.chunks)
+            if covered != _numel(meta.size):
+                raise CheckpointError(
+                    f"{path}: the chunks of entry {key!r} in .metadata cover {covered} of its {_numel(meta.size)} "
+                    "elements: the metadata is damaged or not this checkpoint's; restore it from a copy")
+            # every element is read (the chunks cover the entry), so no need to copy the old values
+            copies[key] = like(value, torch.empty_like(local_tensor(value)))
+    return _Plan(copies, blobs, missing, unexpected)
+
+
+def _numel(size) -> int:
+    n = 1
+    for s in size:
+        n *= int(s)
+    return n
+
+
+def _mismatch_message(path: str, missing: list, unexpected: list, saved: dict, asked: int) -> str:
+    parts = [f"{path} does not match the state dict ({len(saved)} entries saved, {asked} asked for)"]
+    if unexpected:
+        parts.append(f"the checkpoint holds {len(unexpected)} entr{'ies' if len(unexpected) > 1 else 'y'} the state "
+                     f"dict does not ask for: {_listed(unexpected)}; loading would drop them silently (a model "
+                     "shallower than the one saved? a state dict without the optimizer or a value?)")
+    if missing:
+        parts.append(f"the state dict asks for {len(missing)} entr{'ies' if len(missing) > 1 else 'y'} the "
+                     f"checkpoint lacks: {_listed(missing)} (a model deeper than the one saved? other names?)")
+    hint = _prefix_hint(missing, unexpected)
+    if hint:
+        parts.append(hint)
+    parts.append("Fix: build the model and optimizer the checkpoint was saved from; or pass strict=False to load the "
+                 "entries both hold (load_checkpoint returns the keys it left out)")
+    return "; ".join(parts[:-1]) + ". " + parts[-1]
+
+
+def _prefix_hint(missing: list, unexpected: list) -> str | None:
+    if not missing or not unexpected:
+        return None
+    extra = set(unexpected)
+    key = missing[0]
+    if "." in key and key.split(".", 1)[1] in extra:
+        return f"the checkpoint's keys lack the prefix {key.split('.', 1)[0] + '.'!r} (saved from a state dict without that level?)"
+    for u in unexpected:
+        if "." in u and u.split(".", 1)[1] == key:
+            return f"the checkpoint's keys carry a prefix {u.split('.', 1)[0] + '.'!r} the state dict lacks (saved as {{{u.split('.', 1)[0]!r}: ...}}?)"
+    return None
+
+
+def _listed(keys: list) -> str:
+    keys = list(keys)
+    shown = ", ".join(repr(k) for k in keys[:_SHOWN])
+    return f"[{shown}{f', ... ({len(keys)} in all)' if len(keys) > _SHOWN else ''}]"
+
+
+def _is_extra_state(key: str) -> bool:
+    return key == _EXTRA_STATE_SUFFIX or key.endswith("." + _EXTRA_STATE_SUFFIX)
+
+
+def _dcp_load(flat: dict, path: str, opened: _Opened, group) -> None:
+    reader = SafeFileSystemReader(path, metadata=opened.metadata, checksums=opened.checksums)
+    try:
+        dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    except CheckpointException as err:  # the same on every rank
+        raise _from_dcp(err) from None
