@@ -259,6 +259,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         kept: requantization graphs and DCP plans refer to it); values may be DTensors laid out like
         the parameters or full tensors (each rank keeps its shard).
 
+        Under torch.distributed, call it on every rank (as torch's ``set_state_dict`` does): a
+        master holding NaN or Inf on any rank is refused on all of them.
+
         Args:
             state_dict: from :meth:`state_dict` (or torch's DCP helpers).
         """
@@ -284,11 +287,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 raise KeyError(f"MasterWeightOptimizer.load_state_dict: no {MASTER_KEY!r} for FP8 parameter "
                                f"{self._fqn_of(p)}; the state dict was not saved by a MasterWeightOptimizer over "
                                "this model (to start masters from high precision use dtensor_fp8.load_hp_state_dict)")
-            master = states.get(p, {}).get(MASTER_KEY)
-            if self.nonfinite != "ignore" and isinstance(master, torch.Tensor) and \
-                    not bool(torch.isfinite(local_tensor(master)).all()):
-                raise FloatingPointError(f"MasterWeightOptimizer.load_state_dict: the master of {self._fqn_of(p)} holds "
-                                         "NaN or Inf; load an earlier checkpoint (or pass nonfinite='ignore')")
+        if self.nonfinite != "ignore":
+            self._refuse_nonfinite_masters(states)
         inner_state = {}
         inner_index = {inner: i for i, inner in enumerate(x for g in self._inner.param_groups for x in g["params"])}
         for p, saved in states.items():
@@ -352,6 +352,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             for key, value in outer.items():
                 if key != "params" and inner.get(key) is not value:
                     inner[key] = value
+
+    def _refuse_nonfinite_masters(self, states: dict) -> None:
+        """Raise on every rank alike if a master about to be loaded holds NaN or Inf on any rank
+        (each rank sees its own shard: the finding is shared, so no rank loads while another raises)."""
+        bad = sorted(self._fqn_of(p) for p in self._masters
+                     if isinstance(states.get(p, {}).get(MASTER_KEY), torch.Tensor)
+                     and not bool(torch.isfinite(local_tensor(states[p][MASTER_KEY])).all()))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, bad)
+            bad = sorted({name for names in everyone for name in names})
+        if bad:
+            raise FloatingPointError(f"MasterWeightOptimizer.load_state_dict: the master of {', '.join(bad[:6])} holds "
+                                     "NaN or Inf; load an earlier checkpoint (or pass nonfinite='ignore')")
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,

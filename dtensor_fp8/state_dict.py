@@ -15,8 +15,9 @@ Each tensor is a DTensor with the parameter's mesh: data keeps the parameter's p
 grid is sharded on the same dims where its blocks lie inside shards and replicated where one block
 spans the dim (per-tensor scales). Since shards are block-aligned, every saved chunk holds whole
 blocks, and DCP can load any other block-aligned sharding (N -> M ranks, 1-D <-> HSDP) exactly.
-The recipe is a versioned JSON config of plain values (``formats/config.py``); nothing needs
-unpickling and plain ``torch`` reads the checkpoint. A full state dict
+The recipe is a versioned JSON config of plain values (``formats/config.py``), stored as a string
+value entry (DCP pickles it with ``torch.save``; ``load_checkpoint`` reads it with
+``weights_only=True``); no dtensor_fp8 class is pickled and plain ``torch`` reads the checkpoint. A full state dict
 (``StateDictOptions(full_state_dict=True)``) holds the same entries as full plain tensors; loading
 one into a sharded model keeps each rank's block-aligned shard.
 

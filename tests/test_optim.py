@@ -395,3 +395,58 @@ def test_switching_recipes_keeps_masters_and_moments_exactly():
         s_old, s_new = old_opt.state[p_old], new_opt.state[p_new]
         assert torch.equal(s_old["exp_avg"], s_new["exp_avg"]) and torch.equal(s_old["exp_avg_sq"], s_new["exp_avg_sq"])
         assert "rowwise_amax_history" not in s_new  # the delayed-scaling history stayed behind
+
+
+def _nan_master_in_checkpoint(root):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from dist_utils import DEVICE
+
+    def build():
+        net = _net(recipe=d.RECIPES["current"]).to(DEVICE)
+        fully_shard(net, mesh=init_device_mesh(DEVICE, (dist.get_world_size(),)))
+        return net, d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2)
+
+    net, opt = build()
+    _train(net, opt, 1)
+    model_sd, optim_sd = get_state_dict(net, opt)
+    d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 1)
+    with torch.no_grad():  # the run diverges on the last rank's shard only
+        if dist.get_rank() == dist.get_world_size() - 1:
+            opt.masters["fc1.weight"].to_local()[0, 0] = float("nan")
+    model_sd, optim_sd = get_state_dict(net, opt)
+    out = {}
+    try:
+        d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 2)
+        out["save"] = "saved"
+    except d.CheckpointError as err:
+        out["save"] = str(err)
+    out["latest"] = os.path.basename(d.latest_checkpoint(root))
+    out["forced"] = os.path.basename(d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 2,
+                                                       allow_nonfinite=True))
+    fresh, fresh_opt = build()
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    d.load_checkpoint(state, d.latest_checkpoint(root))
+    try:
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out["load"] = "loaded"
+    except FloatingPointError as err:
+        out["load"] = str(err)
+    return out
+
+
+def test_non_finite_masters_are_neither_saved_nor_loaded_on_any_rank(pools, tmp_path):
+    """A NaN in one rank's master shard: the save is refused on every rank (nothing written,
+    ``latest`` unchanged) unless allowed; a checkpoint holding it is refused at load on every rank."""
+    from dist_utils import WORLD_SIZES
+
+    outs = pools[WORLD_SIZES[0]].run(_nan_master_in_checkpoint, str(tmp_path / "ckpt"))
+    for out in outs:
+        assert "refusing to save" in out["save"] and "fc1.weight" in out["save"] and "allow_nonfinite" in out["save"], out
+        assert out["latest"] == "step-00000001" and out["forced"] == "step-00000002", out
+        assert "master of fc1.weight holds NaN or Inf" in out["load"], out

@@ -58,7 +58,8 @@ def _rank(group) -> int:
 
 
 # ---- save ------------------------------------------------------------------------------------------------------
-def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=None) -> str:
+def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=None,
+                    allow_nonfinite: bool = False) -> str:
     """``dcp.save`` into ``root/step-<step>``, atomically: written aside, swapped in once every rank
     has finished, then ``root/latest`` pointed at it.
 
@@ -74,6 +75,9 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
         root: checkpoint root directory (shared by all ranks; one job saves there at a time).
         step: training step, names the sub-directory (``step-00000042``).
         process_group: the ranks that save (default: all).
+        allow_nonfinite: save even if an optimizer master (a ``...master`` entry, see
+            ``MasterWeightOptimizer``) holds NaN or Inf; by default such a save is refused on every
+            rank before anything is written (a diverged run would otherwise overwrite good steps).
 
     Returns:
         The checkpoint directory written.
@@ -85,6 +89,9 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
     name = step_dir_name(step)
     what = f"save_checkpoint(step {step} into {root})"
     first = _rank(process_group) == 0
+    if not allow_nonfinite:
+        agree(what, _refuse_nonfinite_masters, state_dict, group=process_group,
+              after=" Nothing was written.")
     partial = agree(what, lambda: prepare_save(root, name) if first else partial_dir(root, name), group=process_group)
     try:
         agree(what, _dcp_save, state_dict, partial, process_group, group=process_group,
@@ -95,6 +102,22 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
             discard_save(root, name)
         raise
     return agree(what, lambda: commit_save(root, name) if first else os.path.join(root, name), group=process_group)
+
+
+#: the state key of an FP8 parameter's master in ``MasterWeightOptimizer``'s state
+_MASTER_SUFFIX = ".master"
+
+
+def _refuse_nonfinite_masters(state_dict: dict) -> None:
+    flat, _ = flatten_state_dict(state_dict)
+    bad = [key for key, value in flat.items()
+           if key.endswith(_MASTER_SUFFIX) and isinstance(value, torch.Tensor) and value.is_floating_point()
+           and not bool(torch.isfinite(local_tensor(value)).all())]
+    if bad:
+        raise CheckpointError(
+            f"refusing to save: {len(bad)} optimizer master(s) hold NaN or Inf ({', '.join(bad[:_SHOWN])}"
+            f"{' ...' if len(bad) > _SHOWN else ''}); the run has diverged and this checkpoint would not resume. "
+            "Resume from an earlier step, or pass allow_nonfinite=True to save it anyway.")
 
 
 def _dcp_save(state_dict: dict, path: str, group) -> None:
