@@ -324,13 +324,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .te_step.variants import add_model_arguments  # no TE import: variants imports TE lazily
+
     p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks linear_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)

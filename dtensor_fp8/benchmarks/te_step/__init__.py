@@ -36,7 +36,8 @@ from .report import format_breakdown, format_host_split, format_table, write_jso
 from .rows import Row
 from .run import run_variant
 from .timing import time_rounds
-from .variants import OURS, RECIPE_NAMES, VARIANTS, StepConfig, Variant, build_variant, init_process_group
+from .variants import (OURS, RECIPE_NAMES, VARIANTS, StepConfig, Variant, add_model_arguments, build_variant,
+                       init_process_group)
 
 __all__ = ["HostSplit", "OURS", "RECIPE_NAMES", "Row", "StepConfig", "VARIANTS", "Variant", "build_variant",
            "init_process_group", "main", "run_variant"]
@@ -44,12 +45,7 @@ __all__ = ["HostSplit", "OURS", "RECIPE_NAMES", "Row", "StepConfig", "VARIANTS",
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks te_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=2)
+    add_model_arguments(p)
     p.add_argument("--recipes", default=",".join(RECIPE_NAMES), help=f"comma-separated subset of {','.join(RECIPE_NAMES)}")
     p.add_argument("--variants", default="a,b,c,d,e", help="comma-separated subset of a (bf16, FSDP2), b (TE FP8 params, "
                    "FSDP2), c (TE FP8 params, no FSDP), d (dtensor_fp8, FSDP2), e (d with bf16 masters)")

@@ -73,6 +73,18 @@ class StepConfig:
     nonfinite: str = "ignore"
 
 
+#: StepConfig's fields that shape the model and its input (the benchmarks' shared command line)
+MODEL_FIELDS = ("layers", "hidden", "ffn", "heads", "seq", "batch")
+
+
+def add_model_arguments(parser) -> None:
+    """``--layers --hidden --ffn --heads --seq --batch``, defaulting to :class:`StepConfig`'s
+    (te_step and linear_step time the same model shape)."""
+    defaults = StepConfig()
+    for field in MODEL_FIELDS:
+        parser.add_argument(f"--{field}", type=int, default=getattr(defaults, field))
+
+
 def gemm_weights(cfg) -> int:
     """GEMM weights of the stack: qkv, proj, fc1, fc2 per layer."""
     return 4 * cfg.layers
