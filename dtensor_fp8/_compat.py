@@ -119,6 +119,23 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def preserve_version_counter(t: torch.Tensor):
+    """A context in which in-place writes to ``t`` leave its autograd version counter as it was
+    (``torch.autograd._unsafe_preserve_version_counter``, both versions): for buffers refilled
+    with the same values between a forward that saved them and its backward, as FSDP2 does with
+    its own all-gather outputs."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """True for a tensor that has no data: a FakeTensor, or a functional / subclass wrapper of one,
+    as torch.compile traces with (``torch._subclasses.fake_tensor.is_fake``, both versions). Hand-
+    written kernels (Triton, TE) cannot run on it; torch ops can, and are traced."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
+
+
 # ======================================================================================================
 # FSDP2 (torch.distributed.fsdp._fully_shard)
 # ======================================================================================================

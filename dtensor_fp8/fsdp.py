@@ -315,12 +315,15 @@ def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
     """A copy of the shard's per-tensor scale ``live`` for the unsharded parameter ``out`` (``None``
     at the first gather): like the gathered bytes, a copy, so an unsharded weight that outlives an
     optimizer step never pairs its old bytes with the shard's new scale. Later gathers overwrite
-    the copy in place (no allocation)."""
+    the copy in place (no allocation), keeping its autograd version as FSDP2 keeps its all-gather
+    outputs': a compiled block's forward saves the gathered scale for its backward, and the
+    backward's gather writes the same value into it (no optimizer step runs in between)."""
     kept = _SHARED_SCALES.get(out) if out is not None else None
     copy = kept.get(usage) if kept is not None else None
     if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
         return live.clone()
-    return copy.copy_(live)
+    with _compat.preserve_version_counter(copy):
+        return copy.copy_(live)
 
 
 def _keep_shared_scales(tensor, planes: dict, shared_scales: dict) -> None:

@@ -42,6 +42,27 @@ def test_in_backward():
     assert seen == [True]
 
 
+@touches("preserve_version_counter")
+def test_preserve_version_counter():
+    t = torch.zeros(3)
+    before = t._version
+    with _compat.preserve_version_counter(t):
+        t.add_(1)
+    assert t._version == before and t.tolist() == [1.0, 1.0, 1.0]
+    t.add_(1)
+    assert t._version == before + 1  # outside the context writes count again
+
+
+@touches("is_fake")
+def test_is_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ones(2)
+    with FakeTensorMode() as mode:
+        fake = torch.ones(2)
+    assert not _compat.is_fake(real) and _compat.is_fake(fake) and _compat.is_fake(mode.from_tensor(real))
+
+
 @touches("checkpoint_wrapper_class", "uses_composable_checkpoint")
 def test_checkpoint_detection():
     from torch.distributed._composable import checkpoint

@@ -62,6 +62,16 @@ def test_per_block_compile_under_fully_shard(pools, name, style):
         assert counters["unique_graphs"] >= 1, counters  # the blocks really ran compiled
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "blockwise1d"])
+def test_per_block_compile_under_fully_shard_one_rank(pools, name):
+    """At one rank every scale is the shard's own, copied into the unsharded weight at each
+    gather (fsdp._shared_scale): the backward's gather rewrites a scale the compiled forward saved,
+    which must not count as an in-place change (two-plane recipes: the columnwise scale)."""
+    (eager, compiled, counters), = pools[1].run(per_block_compile_vs_eager, name, "module.compile", DEVICE)
+    assert mismatches(eager, compiled) == []
+    assert counters["graph_breaks"] == 0 and counters["unique_graphs"] >= 1, counters
+
+
 def test_compiled_block_gathers_both_planes(pools):
     """A compiled block's gathers carry both planes in forward and in backward (see fsdp.py): its
     compiled backward reads what the forward's graph saved."""

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from .. import _compat
 from . import te_import
 
 ENV_SWITCH = "DTENSOR_FP8_TE_KERNELS"
@@ -50,8 +51,9 @@ def _te():
 def usable(hp: torch.Tensor) -> bool:
     """True when ``hp`` can take the TE fast path: a non-empty CUDA tensor, TE importable, the
     fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``, and not inside torch.compile
-    (dynamo cannot trace TE's extension calls; the compiled reference makes the same bytes)."""
-    return (hp.is_cuda and hp.numel() > 0 and not torch.compiler.is_compiling()
+    (dynamo cannot trace TE's extension calls, and AOT autograd's fake tensors have no data; the
+    compiled reference makes the same bytes)."""
+    return (hp.is_cuda and hp.numel() > 0 and not torch.compiler.is_compiling() and not _compat.is_fake(hp)
             and os.environ.get(ENV_SWITCH, "1") != "0" and _te() is not None)
 
 

@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from .. import _compat
+
 ENV_SWITCH = "DTENSOR_FP8_TRITON"
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,8 +44,11 @@ def _importable() -> bool:
 
 def usable(t: torch.Tensor) -> bool:
     """True when ``t`` can take the Triton path: a non-empty CUDA tensor of a high-precision dtype
-    (or a CPU one under the interpreter), Triton importable, and the path not switched off."""
+    (or a CPU one under the interpreter), Triton importable, the path not switched off, and ``t``
+    not one of the fake tensors torch.compile traces with (a kernel launch needs data)."""
     if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if _compat.is_fake(t):
         return False
     if not (t.is_cuda or (t.device.type == "cpu" and interpreting())):
         return False
@@ -67,6 +72,8 @@ def fast_path(recipe, hp: torch.Tensor) -> str | None:
     if torch.compiler.is_compiling():
         # Under torch.compile the reference's torch ops are traced and fused by inductor; the
         # hand-written kernels (and the import probing that picks them) stay out of the graph.
+        # Dynamo leaves F.linear on a QuantizedTensor as one node, which AOT autograd then runs on
+        # fake tensors outside dynamo (is_compiling() is False there): usable() refuses those.
         return None
     for path in recipe.kernel_order:
         if path == "triton" and usable(hp):
