@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, BlockShape, Plane, transpose_2d
 from .formats.scaled_mm import gemm_block, layout_for, unsupported_pair
 
@@ -194,7 +195,8 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "CPU (FP8 GEMMs run on CUDA; DTENSOR_FP8_GEMMS=on tries torch's CPU kernel)"
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not a 2-D linear"
-    if torch.compiler.is_compiling() and _has_operand_state(weight.recipe, x.device):
+    # Fake tensors: torch 2.11's AOT autograd traces F.linear outside dynamo, where is_compiling() is False.
+    if (torch.compiler.is_compiling() or _compat.is_fake(x)) and _has_operand_state(weight.recipe, x.device):
         # The operand states live in _operand_states, keyed by the weight object: a compiled graph
         # sees a traced stand-in for the weight, so its updates would never reach the map (delayed
         # scaling's histories would not advance). The emulated linear compiles exactly.

@@ -91,17 +91,28 @@ def mismatches(eager: dict, compiled: dict) -> list[str]:
 
 
 # ---- one process, no FSDP ---------------------------------------------------------------------------
-def compiled_model_vs_eager(recipe_name: str, device, fullgraph: bool = True) -> tuple[dict, dict, dict]:
+def compiled_model_vs_eager(recipe_name: str, device, fullgraph: bool = True,
+                            eager_gemms: str | None = None) -> tuple[dict, dict, dict]:
     """``torch.compile(model, fullgraph=...)`` vs the eager model, from the same FP8 weights;
-    also the compiled run's dynamo counters."""
+    also the compiled run's dynamo counters. ``eager_gemms``: the eager run under
+    ``fp8_gemms(eager_gemms)`` (what the compiled run is expected to run instead of FP8 GEMMs)."""
     torch._dynamo.reset()
     runs = []
     for compiled in (False, True):
         torch._dynamo.utils.counters.clear()
         model = d.quantize_module_(block(device, 0), d.RECIPES[recipe_name])
         call = torch.compile(model, fullgraph=fullgraph) if compiled else model
-        runs.append(train(model, call, device))
+        with _gemms(None if compiled else eager_gemms):
+            runs.append(train(model, call, device))
     return runs[0], runs[1], _counters()
+
+
+def _gemms(mode: str | None):
+    import contextlib
+
+    from dtensor_fp8 import gemm
+
+    return gemm.fp8_gemms(mode) if mode is not None else contextlib.nullcontext()
 
 
 def _counters() -> dict:
@@ -154,11 +165,13 @@ def graph_breaks_of_model(recipe_name: str, device) -> tuple[int, int, list]:
 
 
 # ---- per-block compile under fully_shard (what torchtitan does) ------------------------------------------
-def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: bool = True) -> tuple[dict, dict, dict]:
+def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: bool = True,
+                               eager_gemms: str | None = None) -> tuple[dict, dict, dict]:
     """Two blocks, each ``fully_shard``-ed, then the root; the compiled run compiles each block
     first (``fullgraph=True`` unless told otherwise): ``style`` ``"module.compile"`` (``block.compile()``) or
     ``"torch.compile"`` (``torch.compile(block)``, an ``OptimizedModule`` in the block's place).
-    Returns the eager and compiled records and the compiled blocks' dynamo counters."""
+    ``eager_gemms`` as for :func:`compiled_model_vs_eager`. Returns the eager and compiled records
+    and the compiled blocks' dynamo counters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -182,7 +195,8 @@ def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: 
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
         seed = 1 + torch.distributed.get_rank()
-        runs.append(train(model, model, device, seed=seed))
+        with _gemms(None if compiled else eager_gemms):
+            runs.append(train(model, model, device, seed=seed))
         if compiled:
             counters = _counters()
     return runs[0], runs[1], counters
