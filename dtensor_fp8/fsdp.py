@@ -35,8 +35,8 @@ For the weights of TE modules on a one-rank mesh, where every TE buffer of the d
 a view of the shard, nothing is sent at all: the unsharded parameter views the shard (``te.py``).
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
-transpose TE's backward GEMM wants is built after the backward gather (the "transpose cache") and
-dropped after use, so it never outlives the unsharded parameter.
+transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
+itself (the "transpose cache"), and dropped after use, so it never outlives the unsharded parameter.
 """
 
 from __future__ import annotations
@@ -352,6 +352,14 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
     return parts
 
 
+#: The gathers after which the transpose cache is built here: backward-only ones, whose one consumer
+#: (the input-gradient GEMM) drops it after use. A gather of both planes (no reshard after forward,
+#: activation checkpointing, a compiled block) leaves it to the backward GEMM, which builds it on
+#: demand: a compiled backward computes its own transpose inside the graph and never drops an
+#: eager cache, which would then hold one byte per weight element until the next gather.
+_BACKWARD_ONLY = (COLUMNWISE,)
+
+
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
     usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, shard_view = metadata
     if shard_view:  # one rank, TE module: the unsharded parameter views this shard (te.py)
@@ -388,11 +396,11 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out_local.repoint_(trimmed.planes, trimmed.usages)
-        if COLUMNWISE in usages:
+        if usages == _BACKWARD_ONLY:
             out_local.create_transpose_cache()
         _keep_shared_scales(out_local, planes, shared_scales)
         return
-    if COLUMNWISE in usages:
+    if usages == _BACKWARD_ONLY:
         gathered.create_transpose_cache()
     _keep_shared_scales(gathered, planes, shared_scales)
     # The planes are views of `outputs`, which FSDP already frees on reshard.

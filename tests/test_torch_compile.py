@@ -72,6 +72,34 @@ def test_per_block_compile_under_fully_shard_one_rank(pools, name):
     assert counters["graph_breaks"] == 0 and counters["unique_graphs"] >= 1, counters
 
 
+def test_compiled_blocks_leave_no_transpose_cache(pools):
+    """A compiled backward computes the weight's transpose inside its graph: no eager transpose
+    cache (one byte per weight element) may outlive a step on any unsharded weight."""
+    held = pools[WORLD_SIZES[0]].run(_transpose_caches_after_compiled_steps)
+    assert held == [[]] * WORLD_SIZES[0]
+
+
+def _transpose_caches_after_compiled_steps():
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compile_cases import block, train
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh(torch.device(DEVICE).type, (torch.distributed.get_world_size(),))
+    model = d.quantize_module_(nn.Sequential(block(DEVICE, 0), block(DEVICE, 1)), d.CurrentScaling())
+    for b in model:
+        b.compile(fullgraph=True)
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train(model, model, DEVICE, steps=1)
+    gc.collect()
+    return [tuple(q.shape) for q in gc.get_objects()
+            if isinstance(q, d.QuantizedTensor) and q.transpose_cache is not None]
+
+
 def test_compiled_block_gathers_both_planes(pools):
     """A compiled block's gathers carry both planes in forward and in backward (see fsdp.py): its
     compiled backward reads what the forward's graph saved."""
