@@ -131,9 +131,16 @@ def is_fake(t: torch.Tensor) -> bool:
     """True for a tensor that has no data: a FakeTensor, or a functional / subclass wrapper of one,
     as torch.compile traces with (``torch._subclasses.fake_tensor.is_fake``, both versions). Hand-
     written kernels (Triton, TE) cannot run on it; torch ops can, and are traced."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the common case, in ~0.3 us
+        return torch._is_functional_tensor(t) and _fake_check()(t)
+    return _fake_check()(t)
+
+
+@functools.cache
+def _fake_check():
     from torch._subclasses.fake_tensor import is_fake as _is_fake
 
-    return _is_fake(t)
+    return _is_fake
 
 
 # ======================================================================================================

@@ -46,13 +46,11 @@ def usable(t: torch.Tensor) -> bool:
     """True when ``t`` can take the Triton path: a non-empty CUDA tensor of a high-precision dtype
     (or a CPU one under the interpreter), Triton importable, the path not switched off, and ``t``
     not one of the fake tensors torch.compile traces with (a kernel launch needs data)."""
-    if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
-    if _compat.is_fake(t):
-        return False
     if not (t.is_cuda or (t.device.type == "cpu" and interpreting())):
         return False
-    return _importable()
+    if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return not _compat.is_fake(t) and _importable()
 
 
 def software_cast() -> bool:
