@@ -8,9 +8,11 @@ picks it (see :data:`BACKENDS`):
 
 * ``gloo`` (default): CPU tensors;
 * ``nccl``: one GPU per rank (``cuda:<rank>``; NCCL refuses two ranks on one device);
-* ``gloo-cuda``: CUDA tensors, every rank on ``cuda:0``, over gloo (``"cpu:gloo,cuda:gloo"``) -- real
-  shards at world sizes 2 and 4 on a single GPU. A correctness harness, not a speed one: gloo stages
-  CUDA tensors through the host.
+* ``gloo-cuda``: CUDA tensors, every rank on ``cuda:0`` -- real shards at world sizes 2 and 4 on a
+  single GPU -- over ``gloo_staged`` (tests/staging_backend.py): each collective copies its tensors
+  to the host and runs on a real CPU gloo group (CUDA tensors straight into gloo make functional
+  collectives segfault on torch 2.11; see the note there). A correctness harness, not a speed one;
+* ``gloo-staged``: CPU tensors over that same staging backend, to check it without a GPU.
 
 Environment (all optional):
 
@@ -57,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 import rank_logs
+import staging_backend
 
 
 class RankBackend(NamedTuple):
@@ -70,9 +73,10 @@ class RankBackend(NamedTuple):
 BACKENDS = {
     "gloo": RankBackend("gloo", "cpu", False),
     "nccl": RankBackend("nccl", "cuda", True),
-    # Several ranks share cuda:0: gloo moves CUDA tensors (through the host); a "cpu:gloo" half
-    # serves CPU tensors (DCP's object collectives, barriers).
-    "gloo-cuda": RankBackend("cpu:gloo,cuda:gloo", "cuda", False),
+    # Several ranks share cuda:0; every tensor, CUDA or CPU, is staged through host memory over
+    # a real CPU gloo group (tests/staging_backend.py).
+    "gloo-cuda": RankBackend(staging_backend.NAME, "cuda", False),
+    "gloo-staged": RankBackend(staging_backend.NAME, "cpu", False),
 }
 
 
@@ -159,6 +163,8 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, backend
         if spec.device == "cuda":
             torch.cuda.set_device(rank if spec.gpu_per_rank else 0)
             torch.empty(1, device="cuda")  # the CUDA context now: start-up, not the first task, pays it
+        if spec.process_group == staging_backend.NAME:
+            staging_backend.register(spec.device)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(spec.process_group, rank=rank, world_size=world_size, store=store,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))

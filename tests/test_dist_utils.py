@@ -169,3 +169,94 @@ def test_a_session_killed_by_sigterm_reports_stacks_and_its_summary(tmp_path):
     assert "in test_hangs" in report, report  # the test process's stack
     assert report.count("in _sleep") == 2, report  # both ranks' stacks
     assert "in test_hangs" in out and "in _sleep" in out, out  # on stderr too
+
+
+def _every_collective(device):
+    """Each collective kind the suite issues (c10d and functional), on seeded per-rank inputs;
+    returns the results (as host tensors) and what the staging kernels counted in this rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    import staging_backend
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(4 * world, 3, generator=gen).to(device=device, dtype=torch.bfloat16)
+    u8 = torch.randint(0, 256, (2 * world, 5), generator=gen, dtype=torch.uint8).to(device)
+    out = {}
+    gathered = [torch.empty_like(u8) for _ in range(world)]
+    dist.all_gather(gathered, u8)
+    out["all_gather"] = torch.cat(gathered)
+    flat = torch.empty(world * u8.shape[0], 5, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(flat, u8)
+    out["all_gather_into_tensor"] = flat
+    out["funcol_all_gather"] = funcol.all_gather_tensor(x, 0, group).wait()
+    out["funcol_all_gather_coalesced"] = torch.cat([t.wait() for t in funcol.all_gather_into_tensor_coalesced([x, x + 1], group)])
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        y = x.clone()
+        dist.all_reduce(y, op=op)
+        out[f"all_reduce_{op}"] = y
+    out["funcol_all_reduce"] = funcol.all_reduce(x, "sum", group).wait()
+    rs = torch.empty(4, 3, dtype=x.dtype, device=device)
+    dist.reduce_scatter_tensor(rs, x)
+    out["reduce_scatter_tensor"] = rs
+    out["funcol_reduce_scatter"] = funcol.reduce_scatter_tensor(x, "sum", 0, group).wait()
+    out["funcol_reduce_scatter_coalesced"] = torch.cat(
+        [t.wait() for t in funcol.reduce_scatter_tensor_coalesced([x, 2 * x], "sum", [0, 0], group)])
+    b = x.clone()
+    dist.broadcast(b, src=world - 1)
+    out["broadcast"] = b
+    a2a = torch.empty_like(u8)
+    dist.all_to_all_single(a2a, u8)
+    out["all_to_all_single"] = a2a
+    out["funcol_all_to_all_single"] = funcol.all_to_all_single(x, None, None, group).wait()
+    if rank == 0:
+        dist.send(u8, 1)
+    elif rank == 1:
+        recv = torch.empty_like(u8)
+        dist.recv(recv, 0)
+        out["recv"] = recv
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    out["all_gather_object"] = objs
+    dist.barrier()
+    return _to_cpu(out), dict(staging_backend.STAGED)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    return {k: _to_cpu(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
+
+
+def _staged_backends():
+    return ["gloo-staged"] + (["gloo-cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("backend", _staged_backends())
+def test_staged_backend_gives_the_bytes_plain_gloo_gives(backend):
+    """tests/staging_backend.py: every collective kind, through the staging kernels (on CPU
+    tensors, and on CUDA tensors where a GPU is visible), returns byte for byte what plain gloo
+    returns on the CPU, and really went through the kernels (each op counted)."""
+    device = dist_utils.BACKENDS[backend].device
+    plain, staged = RankPool(2, "gloo"), RankPool(2, backend)
+    try:
+        want = plain.run(_every_collective, "cpu")
+        got = staged.run(_every_collective, device)
+    finally:
+        plain.close()
+        staged.close()
+    for rank, ((ref, ref_counts), (res, counts)) in enumerate(zip(want, got)):
+        assert ref_counts == {}, ref_counts  # plain gloo: no staging kernel installed
+        assert res.keys() == ref.keys()
+        for name, value in ref.items():
+            if isinstance(value, torch.Tensor):
+                assert res[name].dtype == value.dtype and res[name].device.type == "cpu", name
+                assert torch.equal(res[name].view(torch.uint8), value.view(torch.uint8)), (rank, name)
+            else:
+                assert res[name] == value, (rank, name)
+        ops = {op for op, dev in counts if dev == device}
+        for op in ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_",
+                   "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "broadcast_", "alltoall_base_",
+                   "barrier", "send" if rank == 0 else "recv_"):
+            assert f"c10d::{op}" in ops, (rank, op, counts)
