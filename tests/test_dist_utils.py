@@ -256,7 +256,10 @@ def test_staged_backend_gives_the_bytes_plain_gloo_gives(backend):
             else:
                 assert res[name] == value, (rank, name)
         ops = {op for op, dev in counts if dev == device}
+        # A barrier moves no tensor data; torch 2.11 issues it on the group's CPU backend (unstaged
+        # under gloo-cuda), so only gloo-staged (CPU) counts it at the staging kernels.
+        barrier = ("barrier",) if device == "cpu" else ()
         for op in ("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "allreduce_",
                    "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "broadcast_", "alltoall_base_",
-                   "barrier", "send" if rank == 0 else "recv_"):
+                   *barrier, "send" if rank == 0 else "recv_"):
             assert f"c10d::{op}" in ops, (rank, op, counts)

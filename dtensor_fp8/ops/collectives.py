@@ -34,7 +34,9 @@ def _all_gather_into_tensor(func, args, kwargs):
     planes, pending = {}, []
 
     def gather(t: torch.Tensor) -> torch.Tensor:
-        raw = one_byte_as_uint8(t)
+        # torch 2.11's functional all-gather refuses a non-contiguous input (a plane transposed
+        # for a dim-1 gather is one); 2.13's copies it itself.
+        raw = one_byte_as_uint8(t).contiguous()
         out = func(raw, group_size, group_name)
         pending.append(out)  # the work is registered on this exact tensor: wait on it, not a view
         return out.view(t.dtype)
