@@ -136,6 +136,13 @@ def is_fake(t: torch.Tensor) -> bool:
     return _fake_check()(t)
 
 
+def is_traced(t: torch.Tensor) -> bool:
+    """True while torch.compile traces ``t``: inside dynamo (``torch.compiler.is_compiling()``), or
+    ``t`` is fake (torch 2.11's AOT autograd runs traced code outside dynamo, where
+    ``is_compiling()`` is False; 2.13 sets it for the whole compile)."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
 @functools.cache
 def _fake_check():
     from torch._subclasses.fake_tensor import is_fake as _is_fake

@@ -195,8 +195,7 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "CPU (FP8 GEMMs run on CUDA; DTENSOR_FP8_GEMMS=on tries torch's CPU kernel)"
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not a 2-D linear"
-    # Fake tensors: torch 2.11's AOT autograd traces F.linear outside dynamo, where is_compiling() is False.
-    if (torch.compiler.is_compiling() or _compat.is_fake(x)) and _has_operand_state(weight.recipe, x.device):
+    if _compat.is_traced(x) and _has_operand_state(weight.recipe, x.device):
         # The operand states live in _operand_states, keyed by the weight object: a compiled graph
         # sees a traced stand-in for the weight, so its updates would never reach the map (delayed
         # scaling's histories would not advance). The emulated linear compiles exactly.

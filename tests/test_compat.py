@@ -53,14 +53,23 @@ def test_preserve_version_counter():
     assert t._version == before + 1  # outside the context writes count again
 
 
-@touches("is_fake")
-def test_is_fake():
+@touches("is_fake", "is_traced")
+def test_is_fake_and_is_traced():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     real = torch.ones(2)
     with FakeTensorMode() as mode:
         fake = torch.ones(2)
     assert not _compat.is_fake(real) and _compat.is_fake(fake) and _compat.is_fake(mode.from_tensor(real))
+    assert not _compat.is_traced(real) and _compat.is_traced(fake)
+    seen = []
+
+    def traced_inside(t):
+        seen.append(_compat.is_traced(t))
+        return t + 1
+
+    torch.compile(traced_inside, backend="eager", fullgraph=True)(real)
+    assert seen == [True]  # dynamo traces it with the real tensor's stand-in
 
 
 @touches("checkpoint_wrapper_class", "uses_composable_checkpoint")

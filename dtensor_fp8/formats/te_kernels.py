@@ -53,7 +53,7 @@ def usable(hp: torch.Tensor) -> bool:
     fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``, and not inside torch.compile
     (dynamo cannot trace TE's extension calls, and AOT autograd's fake tensors have no data; the
     compiled reference makes the same bytes)."""
-    return (hp.is_cuda and hp.numel() > 0 and not torch.compiler.is_compiling() and not _compat.is_fake(hp)
+    return (hp.is_cuda and hp.numel() > 0 and not _compat.is_traced(hp)
             and os.environ.get(ENV_SWITCH, "1") != "0" and _te() is not None)
 
 

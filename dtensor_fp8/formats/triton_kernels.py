@@ -50,7 +50,7 @@ def usable(t: torch.Tensor) -> bool:
         return False
     if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    return not _compat.is_fake(t) and _importable()
+    return not _compat.is_traced(t) and _importable()
 
 
 def software_cast() -> bool:
@@ -67,11 +67,9 @@ def fast_path(recipe, hp: torch.Tensor) -> str | None:
     (``"triton"``, ``"te"``) usable here, or ``None`` (the reference)."""
     from . import te_kernels
 
-    if torch.compiler.is_compiling():
+    if _compat.is_traced(hp):
         # Under torch.compile the reference's torch ops are traced and fused by inductor; the
         # hand-written kernels (and the import probing that picks them) stay out of the graph.
-        # Dynamo leaves F.linear on a QuantizedTensor as one node, which AOT autograd then runs on
-        # fake tensors outside dynamo (is_compiling() is False there): usable() refuses those.
         return None
     for path in recipe.kernel_order:
         if path == "triton" and usable(hp):
