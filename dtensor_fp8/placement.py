@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
 from .formats.base import USAGES, Recipe, RecipeError
-from .ops.slicing import check_shardable, chunk_of, shard_boundaries  # noqa: F401  (check_shardable: public here)
+from .ops.slicing import check_shardable, chunk_of  # noqa: F401  (check_shardable: public here)
 from .quantize import quantize
 from .tensor import QuantizedTensor
 

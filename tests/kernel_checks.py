@@ -20,7 +20,6 @@ import torch
 
 import dtensor_fp8 as d
 from dtensor_fp8.formats import te_kernels, triton_kernels
-from dtensor_fp8.formats.base import COLUMNWISE, ROWWISE
 
 RECIPES = {
     "delayed_e4m3": d.DelayedScaling(), "delayed_e5m2": d.DelayedScaling(fp8_dtype=torch.float8_e5m2),

@@ -17,11 +17,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import dtensor_fp8 as d
-from dtensor_fp8.checkpoint import CheckpointError, CheckpointRecipeError, UnsafeCheckpointError, read_metadata
+from dtensor_fp8.checkpoint import CheckpointError, CheckpointRecipeError, read_metadata
 from dtensor_fp8.checkpoint.checksum import CHECKSUMS_FILE, entry_key
 from dist_utils import BACKEND, DEVICE, WORLD_SIZES
 from test_checkpoint import _app_state, _assert_same, _build, _full_planes, _restore, _steps
-from test_fsdp import _shard
 
 WORLD = WORLD_SIZES[0]
 needs_two = pytest.mark.skipif(WORLD < 2, reason="needs a second rank")

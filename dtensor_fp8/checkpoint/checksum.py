@@ -176,7 +176,7 @@ def read_checksums(path: str) -> dict[str, dict] | None:
     file = os.path.join(path, CHECKSUMS_FILE)
     if not os.path.exists(file):
         return None
-    fix = f"restore it from a copy of the checkpoint, or load without verification (verify=False)"
+    fix = "restore it from a copy of the checkpoint, or load without verification (verify=False)"
     try:
         with open(file) as f:
             doc = json.load(f)

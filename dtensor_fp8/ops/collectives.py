@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _compat
 from ..formats.base import Plane, RecipeError
 from ..op_table import QUANTIZED_OPS
-from ..tensor import QuantizedTensor, one_byte_as_uint8
+from ..tensor import one_byte_as_uint8
 from .slicing import chunk_of
 
 c10d = _compat.functional_collectives()

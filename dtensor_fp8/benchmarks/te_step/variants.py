@@ -81,8 +81,8 @@ def add_model_arguments(parser) -> None:
     """``--layers --hidden --ffn --heads --seq --batch``, defaulting to :class:`StepConfig`'s
     (te_step and linear_step time the same model shape)."""
     defaults = StepConfig()
-    for field in MODEL_FIELDS:
-        parser.add_argument(f"--{field}", type=int, default=getattr(defaults, field))
+    for name in MODEL_FIELDS:
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
 
 
 def gemm_weights(cfg) -> int:
