@@ -24,6 +24,7 @@ from dtensor_fp8.formats import te_kernels, triton_kernels
 RECIPES = {
     "delayed_e4m3": d.DelayedScaling(), "delayed_e5m2": d.DelayedScaling(fp8_dtype=torch.float8_e5m2),
     "current_e4m3": d.CurrentScaling(), "current_e5m2_pow2": d.CurrentScaling(torch.float8_e5m2, force_pow_2_scales=True),
+    "current_eps": d.CurrentScaling(amax_epsilon=1e-3), "delayed_margin": d.DelayedScaling(margin=2),
     "mxfp8_e4m3": d.MXFP8(), "mxfp8_e5m2": d.MXFP8(torch.float8_e5m2),
     "block1d": d.Blockwise(block_dims=1), "block2d": d.Blockwise(block_dims=2),
     "block1d_fp32_scales_eps": d.Blockwise(block_dims=1, force_pow_2_scales=False, amax_epsilon=1e-6),
@@ -95,6 +96,12 @@ def check(name: str, case: str, dtype_name: str, device) -> list[str]:
         ref = d.quantize(x, recipe, **kw)
     for usage in ref.planes:
         _same(fast.planes[usage], ref.planes[usage], f"{what}/quantize/{usage}", errors)
+    if kw:  # delayed scaling without a given scale: the first scale seeded from x's amax
+        with _triton_only():
+            fast = d.quantize(x, recipe)
+        with te_kernels.reference_only():
+            ref = d.quantize(x, recipe)
+        _same(fast.planes["rowwise"], ref.planes["rowwise"], f"{what}/quantize(seeded scale)", errors)
     # GEMM operands (activations / gradients), with the operand recipes of a weight of this recipe
     g = recipe.gemm_recipe()
     for role, op_recipe in (("input", g.input), ("grad", g.grad)):

@@ -24,7 +24,12 @@ times quantization producing both the rowwise and the columnwise usage:
 Timing: CUDA events around each call (wall clock on CPU), after warm-up, median over ``--reps``
 calls (at least 20) rotating over ``--buffers`` (at least 3) inputs so no call reads an input the
 previous one left in L2. GB/s counts the input bytes read (``numel * itemsize``); the copy is also
-reported counting read + write. The markdown table goes to stdout, the JSON to
+reported counting read + write. A call timed alone includes the host's time to issue it whenever
+that is longer than its kernels (a Python call is); on CUDA each row therefore also gives its GPU
+time with the host ahead: the same calls queued behind a ``torch.cuda._sleep`` so that every
+kernel is issued before the first one runs, two events around all of them (``gpu ms``; an upper
+bound on the kernels' time, as a gap would be counted). That is the cost inside a training step or
+an optimizer step, where the host runs ahead of the GPU. The markdown table goes to stdout, the JSON to
 ``--out/quantize.json`` (default ``./bench_out/quantize.json``) with torch/TE versions, device, date.
 """
 
@@ -144,13 +149,39 @@ def time_calls(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> l
     return out
 
 
-def _row(recipe: str, impl: str, ms: list[float] | None, in_bytes: int, copy_gbps: float | None, **extra) -> dict:
+#: GPU cycles the stream sleeps before the queued calls of :func:`time_gpu` (about 0.15 s on an
+#: H200's ~2 GHz clock: far longer than the host takes to issue ``reps`` quantizations).
+_SLEEP_CYCLES = 300_000_000
+
+
+def time_gpu(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> float | None:
+    """GPU milliseconds per call of ``fn`` with the host ahead (``None`` off CUDA): ``reps`` calls
+    issued while the stream sleeps, timed by two events around all of them."""
+    if device.type != "cuda":
+        return None
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    _sync(device)
+    torch.cuda._sleep(_SLEEP_CYCLES)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(reps):
+        fn(inputs[i % len(inputs)])
+    end.record()
+    _sync(device)
+    return start.elapsed_time(end) / reps
+
+
+def _row(recipe: str, impl: str, ms: list[float] | None, in_bytes: int, copy_gbps: float | None,
+         gpu_ms: float | None = None, **extra) -> dict:
     row = {"recipe": recipe, "impl": impl}
     if ms:
         med = statistics.median(ms)
         row.update(median_ms=med, min_ms=min(ms), input_gbps=in_bytes / (med * 1e-3) / 1e9, reps=len(ms))
         if copy_gbps:
             row["vs_copy"] = row["input_gbps"] / copy_gbps
+    if gpu_ms:
+        row.update(gpu_ms=gpu_ms, gpu_input_gbps=in_bytes / (gpu_ms * 1e-3) / 1e9)
     row.update(extra)
     return row
 
@@ -199,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     pairs = [(x, torch.empty_like(x)) for x in inputs]  # (src, dst), rotated like the inputs
     copy_ms = time_calls(lambda pair: pair[1].copy_(pair[0]), pairs, **timing)
-    copy = _row("-", "copy", copy_ms, in_bytes, None)
+    copy = _row("-", "copy", copy_ms, in_bytes, None, time_gpu(lambda pair: pair[1].copy_(pair[0]), pairs, **timing))
     copy["read_write_gbps"] = 2 * in_bytes / (copy["median_ms"] * 1e-3) / 1e9
     copy_gbps = copy["input_gbps"]
     rows.append(copy)
@@ -224,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 try:
                     ms = time_calls(ours, inputs, **timing)
+                    gpu_ms = time_gpu(ours, inputs, **timing)
                     exact = _bit_exact(reference, d.te_layout(ours(inputs[0])), shape, recipe)
-                    rows.append(_row(name, impl, ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
+                    rows.append(_row(name, impl, ms, in_bytes, copy_gbps, gpu_ms, bit_exact_vs_ours=exact))
                 except Exception as e:  # noqa: BLE001
                     rows.append(_row(name, impl, None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
         with te_kernels.kernel_paths(te=True, triton=True):
@@ -240,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             ms = time_calls(_te_call(quantizer), inputs, **timing)
+            gpu_ms = time_gpu(_te_call(quantizer), inputs, **timing)
             ref = reference
             exact = _bit_exact(ref, _te_buffers(_te_call(quantizer)(inputs[0]), ref), shape, recipe)
-            rows.append(_row(name, "te", ms, in_bytes, copy_gbps, bit_exact_vs_ours=exact))
+            rows.append(_row(name, "te", ms, in_bytes, copy_gbps, gpu_ms, bit_exact_vs_ours=exact))
         except Exception as e:  # noqa: BLE001
             rows.append(_row(name, "te", None, in_bytes, copy_gbps, note=f"failed: {type(e).__name__}: {e}"[:200]))
 
@@ -254,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformer_engine": te_ns.version if te_ns else None,
         "te_note": te_reason, "python": platform.python_version(), "shape": list(shape), "dtype": args.dtype,
         "input_bytes": in_bytes, "reps": args.reps, "warmup": args.warmup, "buffers": args.buffers,
-        "gbps_definition": "input bytes read (numel * itemsize) / median time; copy also as read+write",
+        "gbps_definition": "input bytes read (numel * itemsize) / median time; copy also as read+write; "
+                           "gpu_*: the same with the GPU time per call, host ahead (time_gpu)",
         "argv": sys.argv,
     }
     os.makedirs(args.out, exist_ok=True)
@@ -266,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(rows: list[dict], copy: dict) -> str:
-    head = "| recipe | impl | median ms | min ms | GB/s (input read) | vs copy | bit-exact vs ours | note |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---|---|"]
+    head = ("| recipe | impl | median ms | min ms | GB/s (input read) | vs copy | GPU ms, host ahead | GB/s (GPU) "
+            "| bit-exact vs ours | note |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         if "median_ms" in r:
             vs = f"{r['vs_copy']:.3f}" if "vs_copy" in r else "1.000"
@@ -276,10 +311,11 @@ def format_table(rows: list[dict], copy: dict) -> str:
                 note = (note + f"; default fast path: {r['default_path']}").lstrip("; ")
             if r["impl"] == "copy":
                 note = f"read+write {r['read_write_gbps']:.0f} GB/s"
+            gpu = (f"{r['gpu_ms']:.4f} | {r['gpu_input_gbps']:.1f}" if "gpu_ms" in r else "- | -")
             lines.append(f"| {r['recipe']} | {r['impl']} | {r['median_ms']:.4f} | {r['min_ms']:.4f} | "
-                         f"{r['input_gbps']:.1f} | {vs} | {r.get('bit_exact_vs_ours', '')} | {note} |")
+                         f"{r['input_gbps']:.1f} | {vs} | {gpu} | {r.get('bit_exact_vs_ours', '')} | {note} |")
         else:
-            lines.append(f"| {r['recipe']} | {r['impl']} | - | - | - | - | | {r.get('note', '')} |")
+            lines.append(f"| {r['recipe']} | {r['impl']} | - | - | - | - | - | - | | {r.get('note', '')} |")
     return "\n".join(lines)
 
 

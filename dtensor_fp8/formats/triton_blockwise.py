@@ -59,7 +59,8 @@ def _blockwise_kernel(x_ptr, M, K, stride_x,
 def quantize(hp: torch.Tensor, fp8_dtype: torch.dtype, *, block_dims: int, force_pow_2_scales: bool,
              amax_epsilon: float, rowwise: bool, columnwise: bool, columnwise_transposed: bool = False,
              out: dict[str, Plane] | None = None) -> dict[str, Plane]:
-    """Blockwise planes of a 2-D tensor, one pass over the input.
+    """Blockwise planes of a 2-D tensor, one pass over the input (two when both 1-D planes are
+    asked with the columnwise one transposed, which is faster; see the sweep note below).
 
     Args:
         hp: 2-D bf16 / fp16 / fp32 tensor (row-major rows).
@@ -101,16 +102,35 @@ def quantize(hp: torch.Tensor, fp8_dtype: torch.dtype, *, block_dims: int, force
             raise ValueError("triton_blockwise.quantize: scale_inv outputs must be contiguous fp32")
     if row is not None and not row.data.is_contiguous():
         raise ValueError("triton_blockwise.quantize: rowwise data must be contiguous")
-    dummy = hp.new_empty(1, dtype=torch.uint8)
-    dummy_f = hp.new_empty(1, dtype=torch.float32)
-    col_data = col.data.view(torch.uint8) if col is not None else dummy
+    col_data = col.data.view(torch.uint8) if col is not None else None
     mbits, bias = (3, 7) if fp8_dtype == torch.float8_e4m3fn else (2, 15)
-    _blockwise_kernel[(gm, gk)](
-        hp, m, k, hp.stride(0),
-        row.data.view(torch.uint8) if row is not None else dummy, row.scale_inv if row is not None else dummy_f,
-        col_data, col.scale_inv if col is not None else dummy_f,
-        col_data.stride(0) if col is not None else 0, col_data.stride(1) if col is not None else 0,
-        FP8_MAX=fp8_max(fp8_dtype), MBITS=mbits, BIAS=bias, SOFTWARE=software_cast(),
-        EPS=float(amax_epsilon), POW2=bool(force_pow_2_scales), VALUE_FOR_INF=float(torch.finfo(hp.dtype).max),
-        TWO_D=two_d, ROW=row is not None, COL=col is not None, B=BLOCK, num_warps=8)
+
+    def launch(row, col, num_warps):
+        unused = hp  # pointer arguments of planes not written (their constexpr switch is off)
+        _blockwise_kernel[(gm, gk)](
+            hp, m, k, hp.stride(0),
+            row.data.view(torch.uint8) if row is not None else unused, row.scale_inv if row is not None else unused,
+            col_data if col is not None else unused, col.scale_inv if col is not None else unused,
+            col_data.stride(0) if col is not None else 0, col_data.stride(1) if col is not None else 0,
+            FP8_MAX=fp8_max(fp8_dtype), MBITS=mbits, BIAS=bias, SOFTWARE=software_cast(),
+            EPS=float(amax_epsilon), POW2=bool(force_pow_2_scales), VALUE_FOR_INF=float(torch.finfo(hp.dtype).max),
+            TWO_D=two_d, ROW=row is not None, COL=col is not None, B=BLOCK, num_warps=num_warps)
+
+    # Warps and launches from a sweep on an H200 (8192^2 bf16, docs/benchmarks.md "Triton kernel
+    # sweeps"): 128x128 blocks 63 us with 16 warps (85 with 8); 1x128 rowwise alone 76 us with 16;
+    # 128x1 columnwise alone 79 us written transposed with 4, 135 us in the logical layout with 8;
+    # both planes from one read 188 us with 4 (logical layout), but 219 transposed, where two
+    # launches (76 + 79 us, the input read twice) are faster.
+    transposed = col is not None and col_data.stride(0) == 1 and m > 1
+    if two_d:
+        launch(row, None, 16)
+    elif row is not None and col is not None and transposed:
+        launch(row, None, 16)
+        launch(None, col, 4)
+    elif row is not None and col is not None:
+        launch(row, col, 4)
+    elif row is not None:
+        launch(row, None, 16)
+    else:
+        launch(None, col, 4 if transposed else 8)
     return {u: p for u, p in (("rowwise", row), ("columnwise", col)) if p is not None}

@@ -79,6 +79,7 @@ def fast_path(recipe, hp: torch.Tensor) -> str | None:
     return None
 
 
+@functools.cache  # called per quantization: importlib's lookup costs microseconds of host time
 def kernels(name: str):
     """The Triton kernel module ``triton_<name>`` (imported on first use: it imports Triton)."""
     import importlib

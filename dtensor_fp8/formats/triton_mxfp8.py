@@ -16,7 +16,10 @@ from . import triton_fp8 as f8
 from .base import Plane
 from .triton_kernels import fp8_max, software_cast
 
-_BM, _BK = 64, 128
+# Tiles and warps from a sweep on an H200 (8192^2 bf16, docs/benchmarks.md "Triton kernel sweeps"):
+# both planes 118 us with 32 x 128 tiles and 2 warps (178 with 64 x 128 and 4); the rowwise plane
+# alone 61 us with 32 x 256 and 2 warps; the columnwise alone 83 us with 32 x 128 and 2 warps.
+_BOTH, _ROW_ONLY, _COL_ONLY = (32, 128, 2), (32, 256, 2), (32, 128, 2)
 
 
 @triton.jit
@@ -93,16 +96,17 @@ def quantize(hp: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool, columnw
             raise ValueError("triton_mxfp8.quantize: scale_inv outputs must be contiguous")
     if row is not None and not row.data.is_contiguous():
         raise ValueError("triton_mxfp8.quantize: rowwise data must be contiguous")
-    dummy = hp.new_empty(1, dtype=torch.uint8)
+    unused = hp  # pointer arguments of planes not written (their constexpr switch is off)
     mbits, bias = _format(fp8_dtype)
-    u8 = lambda t: t.view(torch.uint8) if t is not None else dummy  # noqa: E731
-    col_data = col.data.view(torch.uint8) if col is not None else dummy
-    grid = (triton.cdiv(m, _BM), triton.cdiv(k, _BK))
+    u8 = lambda t: t.view(torch.uint8) if t is not None else unused  # noqa: E731
+    col_data = col.data.view(torch.uint8) if col is not None else unused
+    bm, bk, warps = _BOTH if row is not None and col is not None else _ROW_ONLY if row is not None else _COL_ONLY
+    grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
     _mxfp8_kernel[grid](
         hp, m, k, hp.stride(0),
         u8(row.data if row else None), u8(row.scale_inv if row else None),
         col_data, u8(col.scale_inv if col else None),
         col_data.stride(0) if col is not None else 0, col_data.stride(1) if col is not None else 0,
         FP8_MAX=fp8_max(fp8_dtype), MBITS=mbits, BIAS=bias, SOFTWARE=software_cast(),
-        ROW=row is not None, COL=col is not None, BM=_BM, BK=_BK, num_warps=4)
+        ROW=row is not None, COL=col is not None, BM=bm, BK=bk, num_warps=warps)
     return {u: p for u, p in (("rowwise", row), ("columnwise", col)) if p is not None}

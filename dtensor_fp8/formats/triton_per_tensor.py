@@ -3,11 +3,15 @@ that writes the FP8 bytes and, in the same pass, their transpose (TE's ``_transp
 backward GEMMs read).
 
 The scale is read from device memory (an amax reduced across shards, a delayed-scaling history),
-so nothing waits for the host. Rules as ``Recipe.encode`` / ``Recipe.block_amax``
-(``triton_fp8.py``).
+or computed in the cast kernel from an amax in device memory with the recipe's rule, and the cast
+also writes ``scale_inv``: a current-scaling quantization is two kernels (amax, cast) after one
+zero fill, with nothing computed on or waited for by the host. Rules as ``Recipe.encode`` /
+``Recipe.block_amax`` / ``scaling.scale_from_amax`` (``triton_fp8.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -16,8 +20,25 @@ import triton.language as tl
 from . import triton_fp8 as f8
 from .triton_kernels import fp8_max, software_cast
 
-_AMAX_BLOCK = 8192
-_TILE = 64
+# Tile sizes from a sweep on an H200 (8192^2 bf16, docs/benchmarks.md "Triton kernel sweeps"):
+# a 16384-element amax block with 4 warps (35 us; 8192 with 8 warps, 38 us); cast tiles of
+# 16 x 512 with 4 warps for the rowwise bytes alone (51 us; 64x64, 56 us) and 128 x 128 with 4
+# warps when the transpose is written too (89 us; 64x64, 91 us).
+_AMAX_BLOCK, _AMAX_WARPS = 16384, 4
+_ROW_TILE, _TRANSPOSE_TILE, _CAST_WARPS = (16, 512), (128, 128), 4
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """``scale = numerator / max(amax, eps)`` (optionally rounded down to a power of two; 1 for a
+    zero / Inf / NaN amax; an infinite quotient becomes FLT_MAX): ``scaling.scale_from_amax``
+    with ``fp8_max`` replaced by ``numerator`` (delayed scaling's first scale divides
+    ``fp8_max * 2^-margin``)."""
+
+    numerator: float
+    eps: float = 0.0
+    pow2: bool = False
 
 
 @triton.jit
@@ -29,26 +50,37 @@ def _amax_kernel(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cast_kernel(x_ptr, M, K, stride_x, scale_ptr, out_ptr, out_t_ptr,
+def _cast_kernel(x_ptr, M, K, stride_x, scale_ptr, scale_inv_ptr, out_ptr, out_t_ptr,
                  FP8_MAX: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFTWARE: tl.constexpr,
-                 ROW: tl.constexpr, TRANSPOSE: tl.constexpr, T: tl.constexpr):
-    offs_m = tl.program_id(0) * T + tl.arange(0, T)
-    offs_k = tl.program_id(1) * T + tl.arange(0, T)
+                 FROM_AMAX: tl.constexpr, NUMERATOR: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                 WRITE_SCALE_INV: tl.constexpr, ROW: tl.constexpr, TRANSPOSE: tl.constexpr,
+                 TM: tl.constexpr, TK: tl.constexpr):
+    if FROM_AMAX:  # scale_ptr holds the amax
+        scale = f8.scale_from_amax(tl.load(scale_ptr), NUMERATOR, EPS, POW2, 3.4028234663852886e38)
+    else:
+        scale = tl.load(scale_ptr)
+    if WRITE_SCALE_INV:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_inv_ptr, f8.reciprocal(scale))
+    offs_m = tl.program_id(0) * TM + tl.arange(0, TM)
+    offs_k = tl.program_id(1) * TK + tl.arange(0, TK)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = f8.encode_fp8(x, tl.load(scale_ptr), FP8_MAX, MBITS, BIAS, SOFTWARE)
+    q = f8.encode_fp8(x, scale, FP8_MAX, MBITS, BIAS, SOFTWARE)
     if ROW:
         tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
     if TRANSPOSE:
         tl.store(out_t_ptr + offs_k[None, :] * M + offs_m[:, None], q, mask=mask)
 
 
-def amax_into(hp: torch.Tensor, out: torch.Tensor) -> None:
-    """``max(|hp|)`` (NaN ignored) into the fp32 element ``out`` (one-element view, zeroed here)."""
+def amax_into(hp: torch.Tensor, out: torch.Tensor, *, zeroed: bool = False) -> None:
+    """``max(|hp|)`` (NaN ignored) into the fp32 element ``out`` (one-element view; zeroed here
+    unless ``zeroed``)."""
     flat = hp.reshape(-1) if hp.is_contiguous() else hp.contiguous().reshape(-1)
-    out.zero_()
+    if not zeroed:
+        out.zero_()
     n = flat.numel()
-    _amax_kernel[(triton.cdiv(n, _AMAX_BLOCK),)](flat, n, out.view(torch.int32), BLOCK=_AMAX_BLOCK, num_warps=8)
+    _amax_kernel[(triton.cdiv(n, _AMAX_BLOCK),)](flat, n, out.view(torch.int32), BLOCK=_AMAX_BLOCK, num_warps=_AMAX_WARPS)
 
 
 def amax(hp: torch.Tensor) -> torch.Tensor:
@@ -57,29 +89,34 @@ def amax(hp: torch.Tensor) -> torch.Tensor:
     Example:
         >>> amax(torch.tensor([[1.0, -3.0]], device="cuda"))  # tensor([[3.]])
     """
-    out = torch.empty(1, dtype=torch.float32, device=hp.device)
-    amax_into(hp, out)
-    return out.reshape(1, 1)
+    out = torch.zeros((1, 1), dtype=torch.float32, device=hp.device)
+    amax_into(hp, out, zeroed=True)
+    return out
 
 
 def amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
     """:func:`amax` of each tensor into one fp32 ``(n,)`` vector."""
-    out = torch.empty(len(hps), dtype=torch.float32, device=hps[0].device)
+    out = torch.zeros(len(hps), dtype=torch.float32, device=hps[0].device)
     for i, hp in enumerate(hps):
-        amax_into(hp, out[i : i + 1])
+        amax_into(hp, out[i : i + 1], zeroed=True)
     return out
 
 
-def cast(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool = True,
-         transposed: bool = False, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def cast(hp: torch.Tensor, scale: torch.Tensor | None, fp8_dtype: torch.dtype, *, rowwise: bool = True,
+         transposed: bool = False, out: torch.Tensor | None = None, amax: torch.Tensor | None = None,
+         rule: ScaleRule | None = None, scale_inv_out: torch.Tensor | None = None,
+         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``saturate(hp * scale)`` as ``fp8_dtype`` (round to nearest even, NaN 0x7F) with one scale.
 
     Args:
         hp: 2-D high-precision tensor (row-major rows).
-        scale: fp32 tensor of one element, on ``hp``'s device.
+        scale: fp32 tensor of one element, on ``hp``'s device; or ``None`` with ``amax`` and
+            ``rule``: the scale is then ``rule`` applied to ``amax`` in the kernel.
         fp8_dtype: E4M3 or E5M2.
         rowwise: write the ``(M, K)`` bytes (into ``out`` when given: contiguous, ``fp8_dtype``).
         transposed: also write their transpose ``(K, M)`` contiguous, in the same pass.
+        amax, rule: see ``scale``.
+        scale_inv_out: an fp32 one-element tensor the kernel writes ``1 / scale`` into.
 
     Returns:
         ``(data, transposed data)``, ``None`` for what was not asked.
@@ -93,11 +130,23 @@ def cast(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwi
     if rowwise and out is None:
         out = torch.empty((m, k), dtype=fp8_dtype, device=hp.device)
     out_t = torch.empty((k, m), dtype=fp8_dtype, device=hp.device) if transposed else None
-    dummy = hp.new_empty(1, dtype=torch.uint8)
+    # A pointer argument the kernel does not read or write (its constexpr switch is off): any
+    # tensor of the right device, so no allocation.
+    unused = hp
+    if scale is None:
+        if amax is None or rule is None:
+            raise ValueError("triton_per_tensor.cast: give a scale, or an amax and a ScaleRule")
+        scale_arg, rule_args = amax.reshape(1), dict(FROM_AMAX=True, NUMERATOR=rule.numerator, EPS=rule.eps, POW2=rule.pow2)
+    else:
+        scale_arg, rule_args = scale.reshape(1), dict(FROM_AMAX=False, NUMERATOR=1.0, EPS=0.0, POW2=False)
+    if scale_arg.dtype != torch.float32:
+        scale_arg = scale_arg.float()
     mbits, bias = (3, 7) if fp8_dtype == torch.float8_e4m3fn else (2, 15)
-    _cast_kernel[(triton.cdiv(m, _TILE), triton.cdiv(k, _TILE))](
-        hp, m, k, hp.stride(0), scale.float().reshape(1),
-        out.view(torch.uint8) if rowwise else dummy, out_t.view(torch.uint8) if transposed else dummy,
-        FP8_MAX=fp8_max(fp8_dtype), MBITS=mbits, BIAS=bias, SOFTWARE=software_cast(),
-        ROW=rowwise, TRANSPOSE=transposed, T=_TILE, num_warps=4)
+    tm, tk = _TRANSPOSE_TILE if transposed else _ROW_TILE
+    _cast_kernel[(triton.cdiv(m, tm), triton.cdiv(k, tk))](
+        hp, m, k, hp.stride(0), scale_arg, unused if scale_inv_out is None else scale_inv_out,
+        out.view(torch.uint8) if rowwise else unused, out_t.view(torch.uint8) if transposed else unused,
+        FP8_MAX=fp8_max(fp8_dtype), MBITS=mbits, BIAS=bias, SOFTWARE=software_cast(), **rule_args,
+        WRITE_SCALE_INV=scale_inv_out is not None, ROW=rowwise, TRANSPOSE=transposed, TM=tm, TK=tk,
+        num_warps=_CAST_WARPS)
     return (out if rowwise else None), out_t
