@@ -126,11 +126,15 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``reps`` calls ``fn(inputs[i % len(inputs)])`` after ``warmup``."""
+def _warm_up(fn, inputs, warmup: int, device) -> None:
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     _sync(device)
+
+
+def time_calls(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``reps`` calls ``fn(inputs[i % len(inputs)])`` after ``warmup``."""
+    _warm_up(fn, inputs, warmup, device)
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for i, (start, end) in enumerate(events):
@@ -159,9 +163,7 @@ def time_gpu(fn, inputs, *, reps: int, warmup: int, device: torch.device) -> flo
     issued while the stream sleeps, timed by two events around all of them."""
     if device.type != "cuda":
         return None
-    for i in range(warmup):
-        fn(inputs[i % len(inputs)])
-    _sync(device)
+    _warm_up(fn, inputs, warmup, device)
     torch.cuda._sleep(_SLEEP_CYCLES)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

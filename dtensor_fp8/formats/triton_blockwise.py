@@ -116,8 +116,8 @@ def quantize(hp: torch.Tensor, fp8_dtype: torch.dtype, *, block_dims: int, force
             EPS=float(amax_epsilon), POW2=bool(force_pow_2_scales), VALUE_FOR_INF=float(torch.finfo(hp.dtype).max),
             TWO_D=two_d, ROW=row is not None, COL=col is not None, B=BLOCK, num_warps=num_warps)
 
-    # Warps and launches from a sweep on an H200 (8192^2 bf16, docs/benchmarks.md "Triton kernel
-    # sweeps"): 128x128 blocks 63 us with 16 warps (85 with 8); 1x128 rowwise alone 76 us with 16;
+    # Warps and launches from a sweep on an H200 (8192^2 bf16; docs/benchmarks.md, "`quantize`
+    # after the kernel sweep"): 128x128 blocks 63 us with 16 warps (85 with 8); 1x128 rowwise alone 76 us with 16;
     # 128x1 columnwise alone 79 us written transposed with 4, 135 us in the logical layout with 8;
     # both planes from one read 188 us with 4 (logical layout), but 219 transposed, where two
     # launches (76 + 79 us, the input read twice) are faster.

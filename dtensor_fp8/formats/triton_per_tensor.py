@@ -20,13 +20,13 @@ import triton.language as tl
 from . import triton_fp8 as f8
 from .triton_kernels import fp8_max, software_cast
 
-# Tile sizes from a sweep on an H200 (8192^2 bf16, docs/benchmarks.md "Triton kernel sweeps"):
+# Tile sizes from a sweep on an H200 (8192^2 bf16;
+# docs/benchmarks.md, "`quantize` after the kernel sweep"):
 # a 16384-element amax block with 4 warps (35 us; 8192 with 8 warps, 38 us); cast tiles of
 # 16 x 512 with 4 warps for the rowwise bytes alone (51 us; 64x64, 56 us) and 128 x 128 with 4
 # warps when the transpose is written too (89 us; 64x64, 91 us).
 _AMAX_BLOCK, _AMAX_WARPS = 16384, 4
 _ROW_TILE, _TRANSPOSE_TILE, _CAST_WARPS = (16, 512), (128, 128), 4
-_FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def _cast_kernel(x_ptr, M, K, stride_x, scale_ptr, scale_inv_ptr, out_ptr, out_t
                  WRITE_SCALE_INV: tl.constexpr, ROW: tl.constexpr, TRANSPOSE: tl.constexpr,
                  TM: tl.constexpr, TK: tl.constexpr):
     if FROM_AMAX:  # scale_ptr holds the amax
-        scale = f8.scale_from_amax(tl.load(scale_ptr), NUMERATOR, EPS, POW2, 3.4028234663852886e38)
+        scale = f8.scale_from_amax(tl.load(scale_ptr), NUMERATOR, EPS, POW2, 3.4028234663852886e38)  # FLT_MAX
     else:
         scale = tl.load(scale_ptr)
     if WRITE_SCALE_INV:
@@ -73,12 +73,10 @@ def _cast_kernel(x_ptr, M, K, stride_x, scale_ptr, scale_inv_ptr, out_ptr, out_t
         tl.store(out_t_ptr + offs_k[None, :] * M + offs_m[:, None], q, mask=mask)
 
 
-def amax_into(hp: torch.Tensor, out: torch.Tensor, *, zeroed: bool = False) -> None:
-    """``max(|hp|)`` (NaN ignored) into the fp32 element ``out`` (one-element view; zeroed here
-    unless ``zeroed``)."""
+def amax_into(hp: torch.Tensor, out: torch.Tensor) -> None:
+    """``max(|hp|)`` (NaN ignored) into the fp32 element ``out``, a one-element view holding zero
+    (the kernel max-reduces into it; callers allocate it with ``torch.zeros``)."""
     flat = hp.reshape(-1) if hp.is_contiguous() else hp.contiguous().reshape(-1)
-    if not zeroed:
-        out.zero_()
     n = flat.numel()
     _amax_kernel[(triton.cdiv(n, _AMAX_BLOCK),)](flat, n, out.view(torch.int32), BLOCK=_AMAX_BLOCK, num_warps=_AMAX_WARPS)
 
@@ -90,7 +88,7 @@ def amax(hp: torch.Tensor) -> torch.Tensor:
         >>> amax(torch.tensor([[1.0, -3.0]], device="cuda"))  # tensor([[3.]])
     """
     out = torch.zeros((1, 1), dtype=torch.float32, device=hp.device)
-    amax_into(hp, out, zeroed=True)
+    amax_into(hp, out)
     return out
 
 
@@ -98,7 +96,7 @@ def amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
     """:func:`amax` of each tensor into one fp32 ``(n,)`` vector."""
     out = torch.zeros(len(hps), dtype=torch.float32, device=hps[0].device)
     for i, hp in enumerate(hps):
-        amax_into(hp, out[i : i + 1], zeroed=True)
+        amax_into(hp, out[i : i + 1])
     return out
 
 
