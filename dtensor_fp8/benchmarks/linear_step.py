@@ -2,7 +2,7 @@
 FSDP2 on one GPU: bf16 parameters vs dtensor_fp8 FP8 parameters with FP8 GEMMs.
 
 ``python -m dtensor_fp8.benchmarks linear_step [--layers 4 --hidden 4096 --ffn 16384 --heads 32
---seq 2048 --batch 2 --variants ... --compile --out DIR]``
+--seq 2048 --batch 2 --variants ... --compile --profile --host-profile N --out DIR]``
 
 Model: ``layers`` x a pre-norm block written in plain torch, shaped like te_step's
 ``te.TransformerLayer``: ``LayerNorm -> Linear(h, 3h) -> causal SDPA -> Linear(h, h) -> +x ->
@@ -31,7 +31,10 @@ Timing: ``--warmup`` steps, then ``--steps`` steps each between ``synchronize()`
 and memory traffic, at the H200's measured ceilings (bf16 GEMM 790 TFLOP/s; FP8 tensorwise 1.82x,
 1x128 x 128x128 1.68x, 1x128 x 1x128 1.33x of it; flash attention ~450 TFLOP/s; memory
 3.3 TB/s). A measured time far above it with host ms close to the step is host-bound.
-The table goes to stdout, the JSON to ``--out/linear_step.json``.
+The table goes to stdout, the JSON to ``--out/linear_step.json``. ``--profile`` adds a
+``torch.profiler`` table of two more steps per variant (``--out/profile_<variant>.txt``, with the
+GPU time of kernels and copies per step in the JSON: a step longer than that waited for the
+host), ``--host-profile N`` a cProfile table of N more steps (``host_profile.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .host_profile import host_profile
 
 GIB = 2**30
 OURS = {f"{r}_{m}_masters": (r, m) for r in ("current", "blockwise2d") for m in ("bf16", "fp32")}
@@ -197,6 +202,13 @@ def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
                median_host_ms=statistics.median(host),
                step_peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / GIB,
                loss_first=vals[0], loss_last=vals[-1], losses_finite=all(math.isfinite(v) for v in vals))
+    if cfg.profile:
+        from .te_step.timing import profile
+
+        row["profile"] = profile(step, cfg.out, row["variant"])
+    if cfg.host_profile:
+        row["host_profile"] = host_profile(step, cfg.host_profile,
+                                           os.path.join(cfg.out, f"host_profile_{row['variant']}.txt"))
 
 
 def _fresh() -> int:
@@ -336,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="MasterWeightOptimizer's non-finite gradient check (default: the library's, raise)")
     p.add_argument("--variants", default=",".join(EAGER), help=f"comma-separated subset of {','.join(EAGER)}")
     p.add_argument("--compile", action="store_true", help="also run the *_compiled rows (blocks torch.compile'd)")
+    p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler "
+                   "kernel tables to --out/profile_<variant>.txt; GPU-busy vs step time in the JSON)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also run N steps per variant under cProfile (--out/host_profile_<variant>.txt)")
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")
     p.add_argument("--out", default="bench_out", help="directory for linear_step.json (default ./bench_out)")
     args = p.parse_args(argv)
@@ -345,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variants {sorted(unknown)}; choose from {EAGER}")
     if args.compile:
         variants += [f"{v}_compiled" for v in variants if v in COMPILABLE]
+        # The FP8-GEMM count of a compiled step is recorded while AOT autograd traces F.linear on
+        # the FP8 weights; a hit in its on-disk cache (an earlier process) skips that tracing and
+        # the count came out short (8 of 48). Trace every time.
+        from .. import _compat
+
+        _compat.disable_aot_autograd_cache()
     if args.warmup < 1 or args.steps < 1 or args.hidden % args.heads:
         p.error("--warmup and --steps must be >= 1 and --hidden a multiple of --heads")
     if args.predict_only:

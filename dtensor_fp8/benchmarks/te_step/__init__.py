@@ -11,7 +11,8 @@ with bf16 masters; see ``variants.py`` — it builds the model, warms up (``--wa
 ``--steps`` steps and reports the median (``timing.py``); ``--gpu-only N`` times N more steps
 queued behind a GPU sleep (the GPU's own time), ``--host-split`` sums the host time inside FSDP2's
 per-group steps, the all-gather hooks and the requantization (``host_split.py``), ``--rounds R``
-re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables. The
+re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables,
+``--host-profile N`` cProfile tables of N more steps (``benchmarks/host_profile.py``). The
 markdown tables go to stdout, the JSON (torch / TE versions, device, date, config, one entry per
 ``rows.Row``) to ``--out/te_step.json`` (``report.py``).
 
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(GPU-only ms in the breakdown)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
                    "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also run N steps per variant under cProfile (--out/host_profile_<recipe>_<variant>.txt)")
     p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")
     return p
 
@@ -89,8 +92,8 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
         p.error("--hidden must be a multiple of --heads")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
-    if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1:
-        p.error("--gpu-only and --rounds must be >= 0, --round-steps >= 1")
+    if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1 or args.host_profile < 0:
+        p.error("--gpu-only, --rounds and --host-profile must be >= 0, --round-steps >= 1")
     return args, recipes, variants
 
 

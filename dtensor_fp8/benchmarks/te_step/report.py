@@ -121,7 +121,8 @@ def write_json(path: str, args, rows: list[Row], recipes: list[str], variants: l
     """``te_step.json``: versions, device, date, config, the rows and the tables."""
     cc = torch.cuda.get_device_capability()
     config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
-                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps", "host_split")}
+                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps", "host_split",
+                                            "host_profile")}
     meta = {
         "benchmark": "te_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "compute_capability": list(cc), "torch": torch.__version__,

@@ -65,6 +65,7 @@ class Row:
     median_gpu_only_ms: float | None = None
     host_split_ms: dict | None = None
     profile: dict | None = None
+    host_profile: dict | None = None  # --host-profile: benchmarks/host_profile.py's summary
     # training sanity
     loss_first: float | None = None
     loss_last: float | None = None

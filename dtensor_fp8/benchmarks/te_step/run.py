@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 import traceback
 
 import torch
 
+from ..host_profile import host_profile
 from .host_split import HostSplit
 from .rows import Row
 from .timing import gpu_only_times, medians, profile, timed_steps
@@ -73,6 +75,9 @@ def _time(v: Variant, row: Row, cfg, losses: list, base: int) -> None:
         row.median_gpu_only_ms = statistics.median(row.gpu_only_ms)
     if cfg.profile:
         row.profile = profile(v.step, cfg.out, f"{v.recipe_name}_{VARIANTS[v.key][0]}")
+    if cfg.host_profile:
+        row.host_profile = host_profile(v.step, cfg.host_profile,
+                                        os.path.join(cfg.out, f"host_profile_{v.recipe_name}_{VARIANTS[v.key][0]}.txt"))
 
 
 def _check(v: Variant, row: Row, cfg, losses: list) -> None:
