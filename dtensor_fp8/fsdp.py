@@ -48,12 +48,12 @@ import weakref
 from typing import Callable, NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
 from .ops.slicing import check_shardable, slice_quantized
 from .tensor import QuantizedTensor, one_byte_as_uint8
+from .weak_id_map import WeakIdMap
 
 aten = torch.ops.aten
 
@@ -63,11 +63,11 @@ aten = torch.ops.aten
 # A gather's bookkeeping is kept here, in weak maps keyed by the object it describes, never on the
 # tensors (a QuantizedTensor has exactly the fields tensor.py declares) or on FSDP's objects:
 #: local shard -> {(mesh, outer size, usages, module): [plan, last (inputs, metadata), planes they view]}
-_GATHER_PLANS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_GATHER_PLANS = WeakIdMap()
 #: local shard -> {(mesh, module): weakref to the FSDPParamGroup gathering it}
-_PARAM_GROUPS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PARAM_GROUPS = WeakIdMap()
 #: unsharded parameter -> its own copies of per-tensor scales, by usage (see _shared_scale)
-_SHARED_SCALES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARED_SCALES = WeakIdMap()
 #: FSDPParamGroup -> whether its gathers carry both planes (checkpointing or compile under it; found once)
 _GATHERS_BOTH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: owning module -> the function that turns its gathered planes into the unsharded parameter
@@ -243,7 +243,7 @@ def _param_group_of(q: QuantizedTensor, mesh, module):
     """The FSDPParamGroup gathering ``q``: from FSDP2's module state (see the note in _compat.py),
     else from the call stack; found once per (mesh, module) and kept (a parameter's group is
     fixed when ``fully_shard`` runs)."""
-    groups = _PARAM_GROUPS.setdefault(q, {})
+    groups = _PARAM_GROUPS.get_or_create(q, dict)
     key = (id(mesh), id(module))
     ref = groups.get(key)
     group = ref() if ref is not None else None
@@ -258,7 +258,7 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     usages = gather_usages(_param_group_of(self, mesh, module))
     # The same few gathers repeat every step; their plans are kept per (persistent) local shard,
     # keyed by the mesh object FSDP holds for the parameter's lifetime.
-    plans = _GATHER_PLANS.setdefault(self, {})
+    plans = _GATHER_PLANS.get_or_create(self, dict)
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
@@ -306,6 +306,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
 
 def _same_plane_tensors(q: QuantizedTensor, kept) -> bool:
     """Whether ``q`` still holds the very tensors ``kept`` lists as ``(usage, data, scale_inv)``."""
+    if not kept:  # a one-rank TE gather: its (empty) inputs view nothing
+        return True
     planes = q.planes
     return all(u in planes and planes[u].data is data and planes[u].scale_inv is scale
                for u, data, scale in kept)
@@ -361,9 +363,9 @@ _BACKWARD_ONLY = (COLUMNWISE,)
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, shard_view = metadata
-    if shard_view:  # one rank, TE module: the unsharded parameter views this shard (te.py)
-        return te_view.from_shard(self, usages, param_dtype, out)
+    if metadata.shard_view:  # one rank, TE module: the unsharded parameter views this shard (te.py)
+        return metadata.te_view.from_shard(self, metadata.usages, param_dtype, out)
+    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, _ = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.

@@ -186,11 +186,19 @@ def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = No
     return t
 
 
+def _same_tensors(a: tuple, b: tuple) -> bool:
+    """Whether two tuples hold the very same objects (``None`` for absent ones), in order."""
+    for x, y in zip(a, b):
+        if x is not y:
+            return False
+    return True
+
+
 class _ShardPlan(NamedTuple):
     """How a one-rank gather for one set of usages re-points the TE tensor (see ``from_shard``).
 
     Attributes:
-        tensors: the shard's plane tensors it was made for (an optimizer step rewrites them in
+        tensors: the shard's :meth:`~QuantizedTensor.plane_tensors` it was made for (an optimizer step rewrites them in
             place; a checkpoint load may replace them, and then the plan is made again).
         assign: ``(attribute, value)`` written as they are: the TE buffers that are views of the
             shard, ``None`` for the absent ones, stale flags.
@@ -310,42 +318,31 @@ class TEUnshardedView:
             out: ``None`` at the first gather (the TE tensor is made and returned as
                 ``(tensor, ())``), else the unsharded parameter to re-point (returns ``None``).
         """
-        recipe = shard.recipe
-        planes = shard.planes
         if out is None:
-            shape = tuple(shard.shape)
+            recipe, planes, shape = shard.recipe, shard.planes, tuple(shard.shape)
             bufs = recipe.te_binding.layout(recipe, planes, shape, usages)
             return _new_te_tensor(recipe, bufs, shape, dtype, shard.device, usages, scale_inv=_scale_inv_of(planes)), ()
-        t = dtensor_local(out)  # DTensor under tensor parallelism
+        # Runs at every gather (TE's own hook: a few attribute writes), so the plan is found from
+        # the shard's tensors without building its planes, and DTensor (tensor parallelism) is
+        # unwrapped inline.
+        t = out._local_tensor if isinstance(out, DTensor) else out
         state = _view_state(t)
         plan = state.plans.get(usages)
-        if plan is None or not self._plan_holds(plan, planes):
-            plan = state.plans[usages] = self._plan(recipe, planes, tuple(shard.shape), usages)
+        if plan is None or not _same_tensors(plan.tensors, shard.plane_tensors()):
+            plan = state.plans[usages] = self._plan(shard.recipe, shard.planes, tuple(shard.shape), usages)
         for name, value in plan.assign:
             setattr(t, name, value)
-        kept = state.kept
-        for name, build, keep in plan.build:
-            value = build(kept.get(name))
-            setattr(t, name, value)
-            if keep:
-                kept[name] = value
+        if plan.build:
+            kept = state.kept
+            for name, build, keep in plan.build:
+                value = build(kept.get(name))
+                setattr(t, name, value)
+                if keep:
+                    kept[name] = value
         quantizer = t._quantizer
         if quantizer is not None:
             quantizer.set_usage(rowwise=plan.rowwise, columnwise=plan.columnwise)
         return None
-
-    @staticmethod
-    def _plan_holds(plan: _ShardPlan, planes: dict) -> bool:
-        """Whether ``plan`` was made for these very plane tensors."""
-        tensors = plan.tensors
-        if len(planes) * 2 != len(tensors):
-            return False
-        i = 0
-        for p in planes.values():
-            if p.data is not tensors[i] or p.scale_inv is not tensors[i + 1]:
-                return False
-            i += 2
-        return True
 
     @staticmethod
     def _plan(recipe: Recipe, planes: dict, shape, usages) -> _ShardPlan:
@@ -363,8 +360,7 @@ class TEUnshardedView:
                 build.append((buf.name, TEBinding.builder(buf, planes[buf.plane], shape), buf.part == SCALE_INV))
             if buf.invalid_flag is not None:
                 assign.append((buf.invalid_flag, buf not in served))
-        tensors = tuple(x for p in planes.values() for x in (p.data, p.scale_inv))
-        return _ShardPlan(tensors, tuple(assign), tuple(build), ROWWISE in usages, COLUMNWISE in usages)
+        return _ShardPlan(QuantizedTensor.plane_tensors_of(planes), tuple(assign), tuple(build), ROWWISE in usages, COLUMNWISE in usages)
 
     def __call__(self, planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
                  usages: tuple[str, ...], out, orig_rows: int):

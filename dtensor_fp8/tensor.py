@@ -17,6 +17,7 @@ anything else raises with the fix.
 from __future__ import annotations
 
 import hashlib
+import operator
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -33,6 +34,8 @@ def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
 
 #: The inner-tensor attributes of a :class:`QuantizedTensor`, per stored plane: FP8 data and scale_inv.
 PLANE_ATTRS = {usage: (f"{usage}_data", f"{usage}_scale_inv") for usage in USAGES}
+#: The four plane fields in :data:`PLANE_ATTRS` order, read in one call (see plane_tensors).
+_read_plane_fields = operator.attrgetter(*(a for pair in PLANE_ATTRS.values() for a in pair))
 
 
 class QuantizedTensor(torch.Tensor):
@@ -155,6 +158,30 @@ class QuantizedTensor(torch.Tensor):
             if data is not None:
                 out[usage] = Plane(data, getattr(self, scale_attr))
         return out
+
+    def plane_tensors(self) -> tuple:
+        """The inner tensors, ``(rowwise data, rowwise scale_inv, columnwise data, columnwise
+        scale_inv)``, ``None`` where a plane is absent: a cheap identity key for per-gather caches
+        (:attr:`planes` builds a dict of views).
+
+        Example:
+            >>> q.plane_tensors() == QuantizedTensor.plane_tensors_of(q.planes)
+            True
+        """
+        return _read_plane_fields(self)
+
+    @staticmethod
+    def plane_tensors_of(planes: dict[str, Plane]) -> tuple:
+        """:meth:`plane_tensors` of a tensor holding ``planes``.
+
+        Args:
+            planes: stored planes by usage, as :attr:`planes` gives them.
+        """
+        out = []
+        for usage in PLANE_ATTRS:
+            plane = planes.get(usage)
+            out += (None, None) if plane is None else (plane.data, plane.scale_inv)
+        return tuple(out)
 
     def plane(self, usage: str) -> Plane:
         """The stored plane that serves ``usage``; raises if this tensor does not hold it.

@@ -410,6 +410,20 @@ def transpose_2d(data: torch.Tensor) -> torch.Tensor:
     return data.t().contiguous()
 
 
+def transposer_2d(u8: torch.Tensor):
+    """``fn() -> transpose_2d(u8)`` for this very 2-D uint8 tensor, the fast path chosen once (see
+    ``te_kernels.transposer``); a caller that transposes the same buffer again and again (the FSDP
+    hook of a TE module, at every backward gather) pays only for the kernel.
+
+    Example:
+        >>> transpose = transposer_2d(plane.data.view(torch.uint8))
+        >>> transpose()  # == plane.data.view(torch.uint8).t().contiguous()
+    """
+    if u8.dtype == torch.uint8 and u8.is_contiguous() and te_kernels.usable(u8):
+        return te_kernels.transposer(u8)
+    return lambda: transpose_2d(u8)
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with row-major strides. ``contiguous()`` keeps odd strides on size-1 dims (e.g. the
     transpose of a ``(1, n)`` slice), which ``view(dtype)`` to another element size rejects."""

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from . import te_import
-from .base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data, transpose_2d
+from .base import (COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data,
+                   transpose_2d, transposer_2d)
 
 DATA = "data"
 SCALE_INV = "scale_inv"
@@ -140,10 +141,10 @@ class TEBinding:
             if not b.transposed:
                 view = te_data(plane.data, shape, transposed=False)
                 return lambda reuse=None: view
-            u8 = plane.data.view(torch.uint8)
+            transpose = transposer_2d(plane.data.view(torch.uint8))
             if len(shape) == 2:
-                return lambda reuse=None: transpose_2d(u8)
-            return lambda reuse=None: transpose_2d(u8).reshape(shape[-1], *shape[:-1])
+                return lambda reuse=None: transpose()
+            return lambda reuse=None: transpose().reshape(shape[-1], *shape[:-1])
         s = plane.scale_inv
         if s.dtype.itemsize == 1:  # E8M0 scales: TE stores bytes
             s = s.view(torch.uint8)

@@ -114,6 +114,27 @@ def transpose_bytes(u8: torch.Tensor) -> torch.Tensor:
     return te.tex.fp8_transpose(u8.contiguous(), te.dtypes[torch.float8_e4m3fn], out=None)
 
 
+def transposer(u8: torch.Tensor):
+    """``fn() -> u8.t().contiguous()`` for this very contiguous 2-D uint8 CUDA tensor, with TE's
+    kernel and format looked up once: an FSDP hook transposes the same gathered plane at every
+    backward gather, where the per-call checks of :func:`usable` cost more than the launch. Under
+    torch.compile it returns the reference (dynamo cannot trace TE's extension).
+
+    Example:
+        >>> transpose = transposer(plane.data.view(torch.uint8))  # once
+        >>> transpose()  # per gather: (K, M) bytes
+    """
+    te = _te()
+    fp8_transpose, fmt = te.tex.fp8_transpose, te.dtypes[torch.float8_e4m3fn]
+    is_compiling = torch.compiler.is_compiling
+
+    def transpose() -> torch.Tensor:
+        if is_compiling():
+            return u8.t().contiguous()
+        return fp8_transpose(u8, fmt, out=None)
+    return transpose
+
+
 def tensor_amax(hp: torch.Tensor) -> torch.Tensor:
     """``max(|hp|)`` over the whole tensor, NaN ignored, fp32 of shape ``(1, 1)``."""
     amax = torch.zeros(1, dtype=torch.float32, device=hp.device)
