@@ -31,8 +31,12 @@ output ... was resized") and corrupts the data. Forward (rowwise) and backward
 (columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
 padded to a per-recipe slot size that fits either direction's local scale grid.
 
-For the weights of TE modules on a one-rank mesh, where every TE buffer of the direction can be
-a view of the shard, nothing is sent at all: the unsharded parameter views the shard (``te.py``).
+On a one-rank mesh nothing is sent at all: the "gather" would be a copy of the shard, so the
+unsharded parameter views the shard's own planes instead (a QuantizedTensor over them, or for the
+weights of TE modules, where every TE buffer of the direction can be a view of the shard, a TE
+tensor, ``te.py``). An optimizer step rewrites the shard's bytes and scales in place, so an
+unsharded weight kept across a step (``set_reshard_after_backward(False)``) reads the new values,
+never old bytes with a new scale; FSDP2's own copy would keep the old ones until it gathers again.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
@@ -182,7 +186,7 @@ class _GatherMetadata(NamedTuple):
     orig_rows: int  # rows of the unpadded full weight
     cols: int  # columns of the weight (shards split rows only)
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool = False  # one rank, TE module: nothing sent, the TE tensor views the shard (te.py)
+    shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
 
 
 class _GatherPlan(NamedTuple):
@@ -196,7 +200,7 @@ class _GatherPlan(NamedTuple):
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
     te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool  # one rank and the TE hook views the shard itself (te.py ``views_shard``)
+    shard_view: bool  # one rank, and (TE modules) the TE hook can view the shard itself (te.py ``views_shard``)
 
 
 def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
@@ -225,15 +229,16 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
     te_view = _UNSHARDED_VIEWS.get(module) if module is not None else None
     planes = q.planes
     fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
-    shard_view = world == 1 and te_view is not None and te_view.views_shard(q)  # same for both directions
+    # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
+    shard_view = world == 1 and (te_view is None or te_view.views_shard(q))
     return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
                        _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes, shard_view)
 
 
 def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
-    """One rank, a TE module's weight that TE can read in place (``_GatherPlan.shard_view``):
-    FSDP gets an empty all-gather input (it copies nothing) and the post-all-gather hook hands
-    out a TE tensor viewing the shard's own planes (te.py, ``TEUnshardedView.from_shard``)."""
+    """One rank (``_GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
+    nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
+    (:func:`_view_of_shard`, or for TE modules te.py's ``TEUnshardedView.from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
     return (empty,), _GatherMetadata(usages, (), {}, plan.padded_rows, 1, None, plan.te_view, outer_size[0],
                                      outer_size[1], (), True)
@@ -362,9 +367,24 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 _BACKWARD_ONLY = (COLUMNWISE,)
 
 
+def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+    """The unsharded parameter of a one-rank gather: a QuantizedTensor over ``shard``'s own planes
+    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place)."""
+    if out is None:
+        view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages)
+    else:
+        # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
+        view = _compat.dtensor_local(out).repoint_(shard.planes, usages)
+    if usages == _BACKWARD_ONLY:
+        view.create_transpose_cache()
+    return (view, ()) if out is None else None
+
+
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
-    if metadata.shard_view:  # one rank, TE module: the unsharded parameter views this shard (te.py)
-        return metadata.te_view.from_shard(self, metadata.usages, param_dtype, out)
+    if metadata.shard_view:  # one rank: the unsharded parameter views this shard
+        if metadata.te_view is not None:
+            return metadata.te_view.from_shard(self, metadata.usages, param_dtype, out)
+        return _view_of_shard(self, metadata.usages, param_dtype, out)
     usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, _ = metadata
     if packed_layout is not None:
         outputs = _unpack(outputs[0], packed_layout)

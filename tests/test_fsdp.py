@@ -369,18 +369,26 @@ def _unsharded_across_a_step(recipe_name):
         opt.step()
         opt.zero_grad()
         shard_scale_changed = not torch.equal(shard.planes["rowwise"].scale_inv, shard_scale)
-        results.append((shard_scale_changed, torch.equal(w.dequantize(torch.float32), before)))
+        after = w.dequantize(torch.float32)
+        results.append((shard_scale_changed, torch.equal(after, before),
+                        torch.equal(after, shard.dequantize(torch.float32))))
     return results
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_unsharded_weight_keeps_its_scale_across_an_optimizer_step(pools, recipe_name):
-    """Per-tensor scales are not gathered (every rank has the same one): the unsharded weight gets
-    a copy, so when it outlives an optimizer step (``set_reshard_after_backward(False)``) it keeps
-    pairing its gathered bytes with the scale they were made with, not the shard's new scale."""
-    for changed, unchanged_values in pools[WORLD_SIZES[0]].run(_unsharded_across_a_step, recipe_name)[0]:
+def test_unsharded_weight_across_an_optimizer_step_pairs_bytes_and_scale(pools, recipe_name):
+    """Per-tensor scales are not gathered (every rank has the same one). On several ranks the
+    unsharded weight gets a copy, so when it outlives an optimizer step
+    (``set_reshard_after_backward(False)``) it keeps pairing its gathered bytes with the scale
+    they were made with, not the shard's new scale. On one rank it views the shard itself: bytes
+    and scale both the step's new ones."""
+    world = WORLD_SIZES[0]
+    for changed, unchanged, equals_shard in pools[world].run(_unsharded_across_a_step, recipe_name)[0]:
         assert changed, "the step did not change the shard's scale: the test shows nothing"
-        assert unchanged_values, "the unsharded weight's values changed with the shard's new scale"
+        if world == 1:
+            assert equals_shard and not unchanged, "one rank: the unsharded weight must view the stepped shard"
+        else:
+            assert unchanged, "the unsharded weight's values changed with the shard's new scale"
 
 
 # ---- benchmark instrumentation -------------------------------------------------------------------
