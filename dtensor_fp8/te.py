@@ -198,8 +198,9 @@ class _ShardPlan(NamedTuple):
     """How a one-rank gather for one set of usages re-points the TE tensor (see ``from_shard``).
 
     Attributes:
-        tensors: the shard's :meth:`~QuantizedTensor.plane_tensors` it was made for (an optimizer step rewrites them in
-            place; a checkpoint load may replace them, and then the plan is made again).
+        tensors: the shard's :meth:`~QuantizedTensor.plane_tensors` it was made for (an optimizer
+            step rewrites them in place; a checkpoint load may replace them, and then the plan is
+            made again).
         assign: ``(attribute, value)`` written as they are: the TE buffers that are views of the
             shard, ``None`` for the absent ones, stale flags.
         build: ``(name, fn, keep)`` per TE buffer made again at every gather (``fn`` from
@@ -360,7 +361,8 @@ class TEUnshardedView:
                 build.append((buf.name, TEBinding.builder(buf, planes[buf.plane], shape), buf.part == SCALE_INV))
             if buf.invalid_flag is not None:
                 assign.append((buf.invalid_flag, buf not in served))
-        return _ShardPlan(QuantizedTensor.plane_tensors_of(planes), tuple(assign), tuple(build), ROWWISE in usages, COLUMNWISE in usages)
+        return _ShardPlan(QuantizedTensor.plane_tensors_of(planes), tuple(assign), tuple(build),
+                          ROWWISE in usages, COLUMNWISE in usages)
 
     def __call__(self, planes: dict, recipe: Recipe, shape: tuple[int, int], dtype: torch.dtype,
                  usages: tuple[str, ...], out, orig_rows: int):
