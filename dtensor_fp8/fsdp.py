@@ -200,7 +200,7 @@ class _GatherPlan(NamedTuple):
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
     te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool  # one rank, and (TE modules) the TE hook can view the shard itself (te.py ``views_shard``)
+    shard_view: bool  # one rank (TE modules: if the TE hook can view the shard itself, te.py ``views_shard``)
 
 
 def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
@@ -267,12 +267,12 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
-        # [plan, the last (inputs, metadata) if they can be handed out again, the planes they view]
+        # [plan, the last (inputs, metadata) if they can be handed out again, the plane tensors they view]
         entry = plans[key] = [_gather_plan(self, key[1], mesh.size(), usages, module), None, None]
-        if entry[0].shard_view:  # the same (empty) input every time
-            entry[1], entry[2] = _shard_view_gather(self, entry[0], usages, key[1]), ()
+        if entry[0].shard_view:  # the same (empty) input every time, whatever the planes hold
+            entry[1] = _shard_view_gather(self, entry[0], usages, key[1])
     plan, last, last_planes = entry
-    if last is not None and _same_plane_tensors(self, last_planes):
+    if last is not None and (plan.shard_view or self.holds(last_planes)):
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return last
@@ -305,17 +305,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     if not pad_rows and not sent_scales and all(
             t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(stored, inputs, strict=True)):
         # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
-        entry[1], entry[2] = result, tuple((u, *local_planes[u].tensors()) for u in stored)
+        entry[1], entry[2] = result, self.plane_tensors()
     return result
-
-
-def _same_plane_tensors(q: QuantizedTensor, kept) -> bool:
-    """Whether ``q`` still holds the very tensors ``kept`` lists as ``(usage, data, scale_inv)``."""
-    if not kept:  # a one-rank TE gather: its (empty) inputs view nothing
-        return True
-    planes = q.planes
-    return all(u in planes and planes[u].data is data and planes[u].scale_inv is scale
-               for u, data, scale in kept)
 
 
 def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:

@@ -186,14 +186,6 @@ def update_te_tensor_(t, q: QuantizedTensor, usages: tuple[str, ...] | None = No
     return t
 
 
-def _same_tensors(a: tuple, b: tuple) -> bool:
-    """Whether two tuples hold the very same objects (``None`` for absent ones), in order."""
-    for x, y in zip(a, b):
-        if x is not y:
-            return False
-    return True
-
-
 class _ShardPlan(NamedTuple):
     """How a one-rank gather for one set of usages re-points the TE tensor (see ``from_shard``).
 
@@ -329,7 +321,7 @@ class TEUnshardedView:
         t = out._local_tensor if isinstance(out, DTensor) else out
         state = _view_state(t)
         plan = state.plans.get(usages)
-        if plan is None or not _same_tensors(plan.tensors, shard.plane_tensors()):
+        if plan is None or not shard.holds(plan.tensors):
             plan = state.plans[usages] = self._plan(shard.recipe, shard.planes, tuple(shard.shape), usages)
         for name, value in plan.assign:
             setattr(t, name, value)

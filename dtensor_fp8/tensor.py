@@ -170,6 +170,23 @@ class QuantizedTensor(torch.Tensor):
         """
         return _read_plane_fields(self)
 
+    def holds(self, tensors: tuple) -> bool:
+        """Whether this tensor's :meth:`plane_tensors` are the very objects in ``tensors`` (an
+        earlier ``plane_tensors()``): the check per-gather caches make, since an optimizer step
+        rewrites the planes in place and only a replacement (a checkpoint load) makes new ones.
+
+        Args:
+            tensors: a tuple from :meth:`plane_tensors` or :meth:`plane_tensors_of`.
+
+        Example:
+            >>> kept = q.plane_tensors(); q.holds(kept)
+            True
+        """
+        for mine, kept in zip(_read_plane_fields(self), tensors, strict=True):
+            if mine is not kept:
+                return False
+        return True
+
     @staticmethod
     def plane_tensors_of(planes: dict[str, Plane]) -> tuple:
         """:meth:`plane_tensors` of a tensor holding ``planes``.

@@ -316,3 +316,14 @@ def test_te_layout_round_trip(name):
             assert set(again) == set(bufs)
             for k in bufs:
                 assert again[k].shape == bufs[k].shape and torch.equal(u8(again[k]), u8(bufs[k])), (shape, k)
+
+
+def test_holds_tells_in_place_writes_from_replaced_planes():
+    q = d.quantize(torch.randn(128, 128), d.RECIPES["current"])
+    kept = q.plane_tensors()
+    assert kept == d.QuantizedTensor.plane_tensors_of(q.planes) and q.holds(kept)
+    q.planes["rowwise"].data.view(torch.uint8).zero_()  # an optimizer step writes in place: still held
+    assert q.holds(kept)
+    other = d.quantize(torch.randn(128, 128), d.RECIPES["current"])
+    q.repoint_(other.planes, other.usages)  # replaced (a checkpoint load): no longer
+    assert not q.holds(kept) and q.holds(other.plane_tensors())

@@ -72,9 +72,6 @@ class Plane:
     data: torch.Tensor
     scale_inv: torch.Tensor
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data, self.scale_inv
-
     def map(self, fn) -> "Plane":
         return Plane(fn(self.data), fn(self.scale_inv))
 
