@@ -452,6 +452,34 @@ def check_current(x, recipe, expect_scale=None):
     return q, sinv[0][0]
 
 
+def f32_of_fraction(q: Fraction) -> float:
+    """The fp32 nearest a positive rational, ties to even, subnormals kept, overflow -> inf:
+    rounded exactly (no double in between), as the reference for IEEE fp32 division."""
+    e = q.numerator.bit_length() - q.denominator.bit_length()
+    e = e - 1 if Fraction(2) ** e > q else e  # now 2^e <= q < 2^(e+1)
+    quantum = Fraction(2) ** (max(e, -126) - 23)
+    n, rest = divmod(q, quantum)
+    n = int(n) + (rest * 2 > quantum or (rest * 2 == quantum and int(n) % 2 == 1))
+    return INF if n * quantum >= Fraction(2) ** 128 else float(n * quantum)
+
+
+def test_scale_quotient_is_ieee_division():
+    """``scaling.quotient`` (the scale rules' division, computed through fp64 so that inductor's
+    approximate fp32 division never touches it) equals the exactly rounded fp32 quotient, for
+    random, subnormal and edge denominators."""
+    from dtensor_fp8.formats.scaling import quotient
+
+    rng = random.Random(7)
+    patterns = [rng.randrange(1, 0x7F800000) for _ in range(3000)] + [1, 2, 0x7FFFFF, 0x800000, 0x7F7FFFFF,
+                                                                      0x3F800000, 0x3F7FFFFF, 0x43E00000]
+    denominators = [from_bits(u) for u in patterns]
+    for numerator in (448.0, 57344.0, 1.0, 224.0):
+        got = quotient(numerator, torch.tensor(denominators, dtype=torch.float32)).tolist()
+        want = [f32_of_fraction(Fraction(numerator) / Fraction(x)) for x in denominators]
+        bad = [(hex(u), g, w) for u, g, w in zip(patterns, got, want) if bits(g) != bits(w)]
+        assert bad == [], bad[:5]
+
+
 def _rand(m, k, seed, dtype=torch.float32, scale=1.0):
     return (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 

@@ -14,7 +14,7 @@ import torch
 from . import te_kernels
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, Plane, RecipeError
 from .triton_kernels import fast_path, kernels
-from .scaling import reciprocal, scale_from_amax
+from .scaling import quotient, reciprocal, scale_from_amax
 from .te_binding import TEBinding, TEBuffer
 from .scaled_mm import GemmRecipe
 
@@ -248,14 +248,14 @@ class DelayedScaling(_PerTensor):
 
     def initial_scaling_state(self, current):
         history = torch.zeros(self.amax_history_len, device=current.scale_inv.device)
-        return {"amax_history": history, "scale": torch.reciprocal(current.scale_inv.float().reshape(1))}
+        return {"amax_history": history, "scale": reciprocal(current.scale_inv.float().reshape(1))}
 
     def requantize_plane(self, hp, usage, current, *, amax=None, state=None):
         return next(iter(self.requantize_planes(usage, [hp], [current], [amax], [state])))
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):
         if all(s is None for s in states):  # keep the current scales (copy_ into existing FP8 tensors)
-            return ((self.quantize_plane(hp, usage, scale=torch.reciprocal(cur.scale_inv.float())), None)
+            return ((self.quantize_plane(hp, usage, scale=reciprocal(cur.scale_inv.float())), None)
                     for hp, cur in zip(hps, currents))
         if any(s is None for s in states):  # a mix: each tensor on its own
             return (next(iter(self.requantize_planes(usage, [hp], [cur], [a], [s])))
@@ -334,7 +334,7 @@ class DelayedScaling(_PerTensor):
         changed = last != 0
         rolled_or_kept = torch.where(changed[:, None], rolled, histories)
         amax = torch.where(changed, amax, last)
-        new = torch.full_like(amax, torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin)) / amax
+        new = quotient(torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin), amax)
         new = torch.where(torch.isfinite(amax) & (amax > 0), new, scales)
         # TE replaces an Inf scale after choosing new vs previous, so a kept Inf scale becomes FLT_MAX too.
         new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max), new)

@@ -17,6 +17,29 @@ def pow2_floor(x: torch.Tensor) -> torch.Tensor:
     return (x.contiguous().view(torch.int32) & _SIGN_EXPONENT_MASK).view(torch.float32)
 
 
+def quotient(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` in fp32, rounded to nearest as an IEEE division (TE's CUDA
+    ``/``) is, eager or compiled.
+
+    [Note: exact scale division under torch.compile]
+    Inductor lowers an fp32 division on CUDA to Triton's ``div.full.f32``, which may be 2 ulp off,
+    and a scale one ulp off changes FP8 bytes. Its fp64 division is ``div.rn.f64`` (on CPU, C++
+    ``double``), and an fp64 quotient of fp32 operands rounded once to fp32 is the correctly rounded
+    fp32 quotient (53 >= 2 * 24 + 2 bits, so the double rounding cannot differ). The cost is nil:
+    scales are one number per tensor or per block. (Inductor's ``eager_numerics.division_rounding``
+    would do it too, but it is a process-wide switch that is the user's to set.)
+
+    Args:
+        numerator: an fp32-representable number (``fp8_max``, ``1.0``, ...).
+        denominator: fp32 tensor.
+
+    Example:
+        >>> quotient(448.0, torch.tensor([3.0]))
+        tensor([149.3333])
+    """
+    return (numerator / denominator.double()).float()
+
+
 def scale_from_amax(
     amax: torch.Tensor,
     fp8_max: float,
@@ -45,7 +68,7 @@ def scale_from_amax(
     """
     amax = amax.float()
     amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
-    scale = torch.full_like(amax, fp8_max) / amax
+    scale = quotient(fp8_max, amax)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
     if force_pow_2_scales:
         scale = pow2_floor(scale)
@@ -54,5 +77,5 @@ def scale_from_amax(
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    """``scale_inv = 1 / scale`` in fp32, as TE stores it."""
-    return torch.reciprocal(scale.float())
+    """``scale_inv = 1 / scale`` in fp32, as TE stores it (rounded to nearest, see :func:`quotient`)."""
+    return quotient(1.0, scale.float())
