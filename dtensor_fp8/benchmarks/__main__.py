@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("dtensor_fp8.benchmarks.fsdp", "per-rank sharded-parameter, master and peak memory, by recipe vs bf16"),
     "linear_step": ("dtensor_fp8.benchmarks.linear_step", "plain-torch nn.Linear blocks under FSDP2: bf16 vs FP8 params with FP8 GEMMs, ms / peak GiB"),
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),
+    "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
     "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }

@@ -11,7 +11,8 @@ with bf16 masters; see ``variants.py`` — it builds the model, warms up (``--wa
 ``--steps`` steps and reports the median (``timing.py``); ``--gpu-only N`` times N more steps
 queued behind a GPU sleep (the GPU's own time), ``--host-split`` sums the host time inside FSDP2's
 per-group steps, the all-gather hooks and the requantization (``host_split.py``), ``--rounds R``
-re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables,
+re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables (with
+``--trace`` the Chrome trace too, for ``gpu_gaps``),
 ``--host-profile N`` cProfile tables of N more steps (``benchmarks/host_profile.py``). The
 markdown tables go to stdout, the JSON (torch / TE versions, device, date, config, one entry per
 ``rows.Row``) to ``--out/te_step.json`` (``report.py``).
@@ -73,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(GPU-only ms in the breakdown)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
                    "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
+    p.add_argument("--trace", action="store_true", help="with --profile: record Python stacks too and write the Chrome "
+                   "trace (--out/trace_<recipe>_<variant>.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also run N steps per variant under cProfile (--out/host_profile_<recipe>_<variant>.txt)")
     p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")

@@ -74,7 +74,7 @@ def _time(v: Variant, row: Row, cfg, losses: list, base: int) -> None:
         row.gpu_only_ms = gpu_only_times(v.step, cfg.gpu_only)
         row.median_gpu_only_ms = statistics.median(row.gpu_only_ms)
     if cfg.profile:
-        row.profile = profile(v.step, cfg.out, f"{v.recipe_name}_{VARIANTS[v.key][0]}")
+        row.profile = profile(v.step, cfg.out, f"{v.recipe_name}_{VARIANTS[v.key][0]}", trace=cfg.trace)
     if cfg.host_profile:
         row.host_profile = host_profile(v.step, cfg.host_profile,
                                         os.path.join(cfg.out, f"host_profile_{v.recipe_name}_{VARIANTS[v.key][0]}.txt"))

@@ -95,19 +95,20 @@ def gpu_only_times(step, n_steps: int, sleep_cycles: int = 400_000_000) -> list[
     return out
 
 
-def profile(step, out_dir: str, tag: str, n_steps: int = 2) -> dict:
+def profile(step, out_dir: str, tag: str, n_steps: int = 2, trace: bool = False) -> dict:
     """``torch.profiler`` over ``n_steps`` more steps: the kernel and CPU-op tables go to
     ``out_dir/profile_<tag>.txt``; returned: the GPU time of the kernels and copies per step
     (device events only: an op's row and a user annotation's GPU row repeat their kernels' time)
     next to the step's CUDA-event time, so gaps where the GPU waits for the host show as
-    kernels < step."""
+    kernels < step. ``trace``: also record Python stacks and write the Chrome trace to
+    ``out_dir/trace_<tag>.json.gz`` (``benchmarks/gpu_gaps.py`` reads where the GPU waited)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace) as prof:
         start.record()
         for _ in range(n_steps):
             step()
@@ -130,6 +131,18 @@ def profile(step, out_dir: str, tag: str, n_steps: int = 2) -> dict:
         f.write(events.table(sort_by=sort_dev, row_limit=40, max_name_column_width=90))
         f.write("\n\n# by self CPU time\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
-    return {"steps": n_steps, "ms_per_step": start.elapsed_time(end) / n_steps,
+    result = {}
+    if trace:
+        import gzip
+        import shutil
+        import tempfile
+
+        trace_path = os.path.join(out_dir, f"trace_{tag}.json.gz")
+        with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+            prof.export_chrome_trace(raw.name)
+            with open(raw.name, "rb") as src, gzip.open(trace_path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        result["trace"] = trace_path
+    return {**result, "steps": n_steps, "ms_per_step": start.elapsed_time(end) / n_steps,
             "gpu_busy_ms_per_step": busy_us / 1e3 / n_steps, "gpu_kernel_ms_per_step": kernel_us / 1e3 / n_steps,
             "table": path}
