@@ -2,7 +2,7 @@
 
 The GPU traces it reads come from the H200 (``linear_step --profile --trace``); here a trace in the
 same format (torch.profiler's Kineto export: kernels, runtime launches sharing a correlation id,
-python_function events linked by "Python parent id") is written out by hand, with gaps whose
+python_function events, annotations and aten ops nesting in time) is written out by hand, with gaps whose
 lengths and launching stacks are known, and a real CPU trace checks the error for a trace
 without GPU activity.
 """
@@ -43,6 +43,8 @@ def _trace():
         _py(4, 400, 500, "torch/autograd/graph.py(1): backward", tid=ENGINE),
         _py(5, 410, 300, "dtensor_fp8/gemm.py(9): grad_quantize", tid=ENGINE, parent=4),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": PID, "tid": MAIN, "ts": 5, "dur": 3, "args": {}},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::copy_out", "pid": PID, "tid": MAIN, "ts": 190, "dur": 20,
+         "args": {}},
         _launch(8, 1), _kernel(50, 100, 1),          # GPU starts at 50: 45 us after the first CPU event
         _launch(200, 2), _kernel(230, 20, 2),        # gap 150 -> 230 (80 us), launched inside fsdp_post_all_gather
         _kernel(240, 30, 3),                         # overlaps the previous one: no gap
@@ -61,7 +63,7 @@ def test_gaps_are_measured_and_charged_to_the_launching_frames(tmp_path):
     assert report["span_us"] == pytest.approx(635 - 50)
     assert report["lead_in_us"] == pytest.approx(50)
     assert [(g["us"], g["stack"]) for g in report["gaps"]] == [
-        (80, ["train.py(1): step", "dtensor_fp8/fsdp.py(374): fsdp_post_all_gather"]),
+        (80, ["train.py(1): step", "dtensor_fp8/fsdp.py(374): fsdp_post_all_gather", "FSDP::copy_out"]),
         (340, ["torch/autograd/graph.py(1): backward", "dtensor_fp8/gemm.py(9): grad_quantize"]),
     ]
     assert report["by_frames"][0] == {"frames": "dtensor_fp8/gemm.py(9): grad_quantize < torch/autograd/graph.py(1): "

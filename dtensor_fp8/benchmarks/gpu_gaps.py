@@ -1,15 +1,17 @@
-"""Where the GPU waited for the host: idle gaps in a torch.profiler Chrome trace, and the Python
-code that was running on the host when each one ended.
+"""Where the GPU waited for the host: idle gaps in a torch.profiler Chrome trace, and what the host
+was running when each one ended.
 
 ``python -m dtensor_fp8.benchmarks gpu_gaps TRACE.json[.gz] [--min-gap-us 20] [--steps N] [--top 25]
 [--out DIR]``
 
-The trace is what ``linear_step --profile --trace`` / ``te_step --profile --trace`` write (Python
-stacks recorded). A gap is a stretch between the first and the last GPU activity (kernels, copies,
-memsets; all streams merged) where nothing runs. Each gap ends when the host's launch of the next
-GPU activity arrives; the gap is charged to the Python frames enclosing that launch on the thread
-that issued it (the autograd engine's thread for the backward). Gaps are summed by the innermost
-frames of that stack, which names the host code the GPU waited on. The table goes to stdout, the
+The trace is what ``linear_step --profile --trace`` / ``te_step --profile --trace`` write. A gap is
+a stretch between the first and the last GPU activity (kernels, copies, memsets; all streams
+merged) where nothing runs. Each gap ends when the host's launch of the next GPU activity
+arrives; the gap is charged to the host events enclosing that launch on the thread that issued
+it (the autograd engine's thread for the backward): ``record_function`` annotations (FSDP2's
+``FSDP::...``, torch.compile's regions), aten ops, and Python frames where the trace has them
+(``with_stack``; they slow the host several times over, so the benchmarks do not record them).
+Gaps are summed by the innermost of those frames, which names the host work the GPU waited on. The table goes to stdout, the
 JSON (every gap with its stack, the sums) to ``--out/gpu_gaps_<trace name>.json``.
 
 A step measured between synchronizations starts with the GPU idle while the host issues the
@@ -49,18 +51,27 @@ def _frame_name(name: str) -> str:
     return name
 
 
+_FRAME_CATS = ("python_function", "cpu_op", "user_annotation")
+
+
 def _stacks_by_thread(events: list[dict]) -> dict:
-    """Per (pid, tid): python_function events sorted by start, their starts (for bisect) and the
-    events by Kineto's "Python id" (their "Python parent id" links a frame to its caller)."""
+    """Per (pid, tid): the host events that nest (Python frames when recorded, aten ops,
+    ``record_function`` annotations such as FSDP2's), sorted by start, with their starts (for
+    bisect) and each one's innermost enclosing event (a sweep with a stack: they nest in time)."""
     by_thread = defaultdict(list)
     for e in events:
-        if e.get("cat") == "python_function":
+        if e.get("cat") in _FRAME_CATS:
             by_thread[(e["pid"], e["tid"])].append(e)
     out = {}
     for key, evs in by_thread.items():
-        evs.sort(key=lambda e: e["ts"])
-        by_id = {e["args"]["Python id"]: e for e in evs if "Python id" in e.get("args", {})}
-        out[key] = (evs, [e["ts"] for e in evs], by_id)
+        evs.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
+        parents, open_ = [], []
+        for i, e in enumerate(evs):
+            while open_ and evs[open_[-1]]["ts"] + evs[open_[-1]].get("dur", 0) < e["ts"]:
+                open_.pop()
+            parents.append(open_[-1] if open_ else -1)
+            open_.append(i)
+        out[key] = (evs, [e["ts"] for e in evs], parents)
     return out
 
 
@@ -69,18 +80,17 @@ def _contains(e: dict, t: float) -> bool:
 
 
 def _stack_at(stacks: dict, thread, t: float) -> list[str]:
-    """Python frames enclosing time ``t`` on ``thread``, outermost first: from the last frame
-    that started before ``t``, up its callers (a frame that already returned is skipped)."""
+    """Host events enclosing time ``t`` on ``thread``, outermost first: from the last event that
+    started before ``t``, up its enclosing ones (an event that already ended is skipped)."""
     if thread not in stacks:
         return []
-    evs, starts, by_id = stacks[thread]
+    evs, starts, parents = stacks[thread]
     i = bisect.bisect_right(starts, t) - 1
     frames = []
-    e = evs[i] if i >= 0 else None
-    while e is not None:
-        if _contains(e, t):
-            frames.append(e)
-        e = by_id.get(e.get("args", {}).get("Python parent id"))
+    while i >= 0:
+        if _contains(evs[i], t):
+            frames.append(evs[i])
+        i = parents[i]
     return [_frame_name(f["name"]) for f in reversed(frames)]
 
 
@@ -130,7 +140,7 @@ def gpu_gaps(events: list[dict], *, min_gap_us: float = 20.0, depth: int = 3) ->
             end = stop
     sums = defaultdict(lambda: [0.0, 0])
     for g in gaps:
-        key = " < ".join(reversed(g["stack"][-depth:])) or "(no Python stack recorded)"
+        key = " < ".join(reversed(g["stack"][-depth:])) or "(no host event around the launch)"
         sums[key][0] += g["us"]
         sums[key][1] += 1
     cpu_starts = [e["ts"] for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
@@ -145,7 +155,7 @@ def format_report(report: dict, steps: int, top: int) -> str:
     lines = [f"GPU busy {report['busy_us'] / per:.2f} ms / step, idle between its first and last activity "
              f"{report['idle_us'] / per:.2f} ms / step, lead-in before the first {report['lead_in_us'] / per:.2f} ms / step "
              f"({len(report['gaps'])} gaps listed)", "",
-             "| idle ms / step | gaps | innermost frames at the launch that ended the gap (innermost first) |",
+             "| idle ms / step | gaps | host events around the launch that ended the gap (innermost first) |",
              "|---:|---:|---|"]
     for r in report["by_frames"][:top]:
         lines.append(f"| {r['us'] / per:.3f} | {r['gaps']} | {r['frames']} |")

@@ -34,7 +34,7 @@ and memory traffic, at the H200's measured ceilings (bf16 GEMM 790 TFLOP/s; FP8 
 The table goes to stdout, the JSON to ``--out/linear_step.json``. ``--profile`` adds a
 ``torch.profiler`` table of two more steps per variant (``--out/profile_<variant>.txt``, with the
 GPU time of kernels and copies per step in the JSON: a step longer than that waited for the
-host), ``--trace`` with it the Chrome trace with Python stacks (``gpu_gaps.py`` reads where the GPU
+host), ``--trace`` with it the Chrome trace (``gpu_gaps.py`` reads where the GPU
 waited), ``--host-profile N`` a cProfile table of N more steps (``host_profile.py``).
 """
 
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also run the *_compiled rows (blocks torch.compile'd)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler "
                    "kernel tables to --out/profile_<variant>.txt; GPU-busy vs step time in the JSON)")
-    p.add_argument("--trace", action="store_true", help="with --profile: record Python stacks too and write the "
+    p.add_argument("--trace", action="store_true", help="with --profile: also write the "
                    "Chrome trace (--out/trace_<variant>.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also run N steps per variant under cProfile (--out/host_profile_<variant>.txt)")

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(GPU-only ms in the breakdown)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
                    "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
-    p.add_argument("--trace", action="store_true", help="with --profile: record Python stacks too and write the Chrome "
+    p.add_argument("--trace", action="store_true", help="with --profile: also write the Chrome "
                    "trace (--out/trace_<recipe>_<variant>.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also run N steps per variant under cProfile (--out/host_profile_<recipe>_<variant>.txt)")

@@ -100,15 +100,16 @@ def profile(step, out_dir: str, tag: str, n_steps: int = 2, trace: bool = False)
     ``out_dir/profile_<tag>.txt``; returned: the GPU time of the kernels and copies per step
     (device events only: an op's row and a user annotation's GPU row repeat their kernels' time)
     next to the step's CUDA-event time, so gaps where the GPU waits for the host show as
-    kernels < step. ``trace``: also record Python stacks and write the Chrome trace to
-    ``out_dir/trace_<tag>.json.gz`` (``benchmarks/gpu_gaps.py`` reads where the GPU waited)."""
+    kernels < step. ``trace``: also write the Chrome trace to ``out_dir/trace_<tag>.json.gz``
+    (``benchmarks/gpu_gaps.py`` reads where the GPU waited; no Python stacks: recording them
+    slows the host several times over, which would move the gaps)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
         start.record()
         for _ in range(n_steps):
             step()
