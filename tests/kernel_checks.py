@@ -4,7 +4,7 @@ Shared by ``tests/test_triton_kernels.py`` (Triton's CPU interpreter, in a subpr
 ``TRITON_INTERPRET=1``) and ``tests/gpu/test_triton_gpu.py`` (CUDA). Every check runs the same
 recipe call twice, Triton only (``kernel_paths(te=False, triton=True)``, asserted to be the path
 taken) and reference only, and compares FP8 data and scale_inv as raw bytes: quantize (both
-planes in one pass), GEMM-operand quantization (columnwise planes written transposed), and the
+planes), GEMM-operand quantization (columnwise planes written transposed), and the
 in-place, batched requantization of an optimizer step.
 
 Inputs: TE's golden input (tests/golden) and the special values the spec tests use (NaN, +-Inf,

@@ -9,7 +9,7 @@ times quantization producing both the rowwise and the columnwise usage:
   the logical orientation; per-tensor and 128x128 recipes store one plane, TE's transpose is not
   built);
 * ``ours_triton``: the same call with the recipes' Triton fast path only (``formats/triton_*.py``:
-  CUDA with Triton; every recipe, both planes of MXFP8 / blockwise in one pass), checked byte for
+  CUDA with Triton; every recipe, both planes of MXFP8 / 128x128 blockwise in one pass, 1x128 in one pass a plane), checked byte for
   byte against ``ours``;
 * ``ours_te_kernels``: the same call with the recipes' TE-kernel fast path only
   (``formats/te_kernels.py``: CUDA with TE present; per-tensor and blockwise recipes), checked

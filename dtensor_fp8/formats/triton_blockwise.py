@@ -22,7 +22,7 @@ from .triton_kernels import fp8_max, interpreting, software_cast
 BLOCK = 128
 
 # (BM, BK, warps, amax in the input dtype) per launch, from sweeps on an H200 (8192^2 bf16, kernel
-# time; docs/benchmarks.md, "`quantize` after the kernel sweep" and "1x128 in two launches"):
+# time; docs/benchmarks.md, "`quantize` after the kernel sweep" and "Issue 18's last measurements"):
 # 128x128 blocks 63 us with 16 warps (85 with 8); the 1x128 rowwise plane 65 us with 64 x 128
 # tiles, 4 warps, the amax in bf16 (76 us as 128 x 128, 16 warps, fp32); the 128x1 columnwise plane
 # in the logical layout 86 us with 128 x 64 tiles, 4 warps, bf16 amax (135-151 us as 128 x 128),

@@ -4,8 +4,9 @@
 The reference recipes read and write a tensor several times per plane (amax, scale, cast, NaN
 fix-up); MXFP8's reference runs at 37.6 GB/s on an H200. The Triton kernels
 (``triton_mxfp8.py``, ``triton_blockwise.py``, ``triton_per_tensor.py``) load each tile once and
-write every requested plane from it (MXFP8 and blockwise: both planes in one pass; optionally the
-columnwise plane already transposed, as the backward GEMMs read it). They implement the reference
+write every requested plane from it (MXFP8 and 128x128 blockwise: both planes in one pass; 1x128
+blockwise: one launch a plane, each with its own tile; optionally the columnwise plane already
+transposed, as the backward GEMMs read it). They implement the reference
 rules bit for bit (``triton_fp8.py``: E8M0 rounding up, TE's scale rule, saturating
 round-to-nearest-even casts, NaN as 0x7F) and are checked byte for byte against the reference:
 ``tests/test_triton_kernels.py`` under Triton's CPU interpreter, ``tests/gpu/test_triton_gpu.py``

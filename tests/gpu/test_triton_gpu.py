@@ -2,7 +2,7 @@
 
 Every case of tests/kernel_checks.py (each recipe x TE's golden input, random inputs with
 outliers, the special values: NaN, Inf, zeros, fp32 and FP8 subnormals, zero blocks, and ragged
-shapes; fp32 / bf16 / fp16): quantize (both planes in one pass), GEMM operands (columnwise planes
+shapes; fp32 / bf16 / fp16): quantize (both planes, one pass each kernel), GEMM operands (columnwise planes
 written transposed) and the in-place batched requantization, byte for byte against the
 pure-torch reference, with the hardware FP8 conversion; and the software conversion (the one the
 CPU interpreter tests run) giving the same bytes here. Also: an optimizer step's requantization
