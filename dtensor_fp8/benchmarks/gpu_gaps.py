@@ -11,8 +11,9 @@ arrives; the gap is charged to the host events enclosing that launch on the thre
 it (the autograd engine's thread for the backward): ``record_function`` annotations (FSDP2's
 ``FSDP::...``, torch.compile's regions), aten ops, and Python frames where the trace has them
 (``with_stack``; they slow the host several times over, so the benchmarks do not record them).
-Gaps are summed by the innermost of those frames, which names the host work the GPU waited on. The table goes to stdout, the
-JSON (every gap with its stack, the sums) to ``--out/gpu_gaps_<trace name>.json``.
+Gaps are summed by the innermost of those frames, which names the host work the GPU waited on.
+The table goes to stdout, the JSON (every gap with its stack, the sums) to
+``--out/gpu_gaps_<trace name>.json``.
 
 A step measured between synchronizations starts with the GPU idle while the host issues the
 first work; that lead-in is before the first GPU activity and is reported apart (``lead_in_us``),
@@ -31,6 +32,7 @@ from collections import defaultdict
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_FRAME_CATS = ("python_function", "cpu_op", "user_annotation")
 
 
 def load_trace(path: str) -> list[dict]:
@@ -49,9 +51,6 @@ def _frame_name(name: str) -> str:
         if i >= 0:
             return name[i + len(marker):] if marker == "site-packages/" else name[i:]
     return name
-
-
-_FRAME_CATS = ("python_function", "cpu_op", "user_annotation")
 
 
 def _stacks_by_thread(events: list[dict]) -> dict:
@@ -104,7 +103,7 @@ def gpu_gaps(events: list[dict], *, min_gap_us: float = 20.0, depth: int = 3) ->
 
     Returns:
         ``{"busy_us", "idle_us", "span_us", "lead_in_us", "gaps": [...], "by_frames": [...]}``;
-        ``gaps`` lists ``{"start", "us", "launch", "stack"}``, ``by_frames`` the sums, largest first.
+        ``gaps`` lists ``{"start", "us", "next", "launch", "stack"}``, ``by_frames`` the sums, largest first.
 
     Example:
         >>> report = gpu_gaps(load_trace("bench_out/trace_current_bf16_masters.json.gz"))
@@ -143,7 +142,7 @@ def gpu_gaps(events: list[dict], *, min_gap_us: float = 20.0, depth: int = 3) ->
         key = " < ".join(reversed(g["stack"][-depth:])) or "(no host event around the launch)"
         sums[key][0] += g["us"]
         sums[key][1] += 1
-    cpu_starts = [e["ts"] for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
+    cpu_starts = [e["ts"] for e in events if e.get("cat") in _FRAME_CATS]
     lead_in = max(0.0, gpu[0]["ts"] - min(cpu_starts)) if cpu_starts else 0.0
     by_frames = sorted(({"frames": k, "us": v[0], "gaps": v[1]} for k, v in sums.items()), key=lambda r: -r["us"])
     return {"busy_us": busy, "idle_us": idle, "span_us": end - gpu[0]["ts"], "lead_in_us": lead_in,

@@ -40,9 +40,9 @@ def _blockwise_kernel(x_ptr, M, K, stride_x,
                       EPS: tl.constexpr, POW2: tl.constexpr, VALUE_FOR_INF: tl.constexpr,
                       TWO_D: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                       AMAX_IN_INPUT_DTYPE: tl.constexpr):
-    # A tile of BM x BK: 128 x 128 for 2-D blocks and for both 1-D planes; BM x 128 for the
-    # rowwise plane alone; 128 x BK for the columnwise plane alone (the program ids then index
-    # 128-element blocks along the blocked dimension, as the scale stores below assume).
+    # A tile of BM x BK: 128 x 128 for 2-D blocks, BM x 128 for the rowwise plane, 128 x BK for
+    # the columnwise plane (the program ids then index 128-element blocks along the blocked
+    # dimension, as the scale stores below assume).
     tl.static_assert((not ROW and not TWO_D) or BK == 128)
     tl.static_assert((not COL and not TWO_D) or BM == 128)
     pid_m = tl.program_id(0)
@@ -51,9 +51,10 @@ def _blockwise_kernel(x_ptr, M, K, stride_x,
     offs_k = pid_k * BK + tl.arange(0, BK)
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0)
-    if not AMAX_IN_INPUT_DTYPE:  # a bf16 / fp16 max is exact; keeping the tile narrow saves registers
-        x = x.to(tl.float32)
-    ax = f8.abs_no_nan(x)
+    if AMAX_IN_INPUT_DTYPE:  # a bf16 / fp16 max is exact; keeping the tile narrow saves registers
+        ax = f8.abs_no_nan(x)
+    else:
+        ax = f8.abs_no_nan(x.to(tl.float32))
     x = x.to(tl.float32)
     gk = tl.cdiv(K, 128)
     if TWO_D:

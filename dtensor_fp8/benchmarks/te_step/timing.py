@@ -132,18 +132,17 @@ def profile(step, out_dir: str, tag: str, n_steps: int = 2, trace: bool = False)
         f.write(events.table(sort_by=sort_dev, row_limit=40, max_name_column_width=90))
         f.write("\n\n# by self CPU time\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90))
-    result = {}
+    result = {"steps": n_steps, "ms_per_step": start.elapsed_time(end) / n_steps,
+              "gpu_busy_ms_per_step": busy_us / 1e3 / n_steps, "gpu_kernel_ms_per_step": kernel_us / 1e3 / n_steps,
+              "table": path}
     if trace:
         import gzip
         import shutil
         import tempfile
 
-        trace_path = os.path.join(out_dir, f"trace_{tag}.json.gz")
+        result["trace"] = os.path.join(out_dir, f"trace_{tag}.json.gz")
         with tempfile.NamedTemporaryFile(suffix=".json") as raw:
             prof.export_chrome_trace(raw.name)
-            with open(raw.name, "rb") as src, gzip.open(trace_path, "wb") as dst:
+            with open(raw.name, "rb") as src, gzip.open(result["trace"], "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        result["trace"] = trace_path
-    return {**result, "steps": n_steps, "ms_per_step": start.elapsed_time(end) / n_steps,
-            "gpu_busy_ms_per_step": busy_us / 1e3 / n_steps, "gpu_kernel_ms_per_step": kernel_us / 1e3 / n_steps,
-            "table": path}
+    return result
