@@ -28,7 +28,7 @@ from .fsdp import gather_both_usages
 from .describe import describe
 from .linear import quantized_linear
 from .optim import MasterWeightOptimizer
-from .module import quantize_module_
+from .module import finish_init_, quantize_module_
 from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
@@ -41,6 +41,6 @@ __all__ = [
     "Blockwise", "CheckpointError", "COLUMNWISE", "Recipe", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
     "QuantizedTensor", "RECIPES", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
     "describe", "export_hp_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_state_dict", "save_checkpoint",
-    "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
+    "finish_init_", "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
     "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module", "QuantizedTransposeView",
 ]

@@ -260,6 +260,7 @@ def _param_group_of(q: QuantizedTensor, mesh, module):
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
+    self.check_bytes_made()  # a meta-built weight is quantized by finish_init_ before its first gather
     usages = gather_usages(_param_group_of(self, mesh, module))
     # The same few gathers repeat every step; their plans are kept per (persistent) local shard,
     # keyed by the mesh object FSDP holds for the parameter's lifetime.
@@ -362,7 +363,8 @@ def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch
     """The unsharded parameter of a one-rank gather: a QuantizedTensor over ``shard``'s own planes
     serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place)."""
     if out is None:
-        view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages)
+        view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages,
+                                           param_state=shard.param_state)
     else:
         # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
         view = _compat.dtensor_local(out).repoint_(shard.planes, usages)
@@ -402,7 +404,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         result = te_view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, orig_rows)
         _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
         return result
-    gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages)
+    gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
+                                           param_state=self.param_state)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).

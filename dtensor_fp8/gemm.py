@@ -17,8 +17,10 @@ Activations and output gradients are quantized with the recipes the weight's rec
 (:meth:`Recipe.gemm_recipe`), by the same recipe code that quantizes weights (its kernels
 included), so their bytes are what :meth:`Recipe.quantize_operand` gives. Delayed scaling keeps
 an amax history per weight for its activations and one for its gradients (TE keeps one per
-module); it is held here, keyed by the weight tensor object (FSDP2 re-uses one unsharded
-parameter object across gathers, so the history survives resharding).
+module), in the weight's owner record (``QuantizedTensor.param_state``, shared by FSDP's shard
+and the unsharded weight it gathers; saved in the model's state dict). Each amax is all-reduced
+(MAX) over the world before it enters the history, as TE reduces delayed scaling's amaxes over
+its group by default, so every rank holds the same history (see ``param_state.py``).
 
 Elsewhere the emulated linear of ``linear.py`` runs: on the CPU unless asked for
 (``DTENSOR_FP8_GEMMS=on`` or :func:`fp8_gemms`; torch's CPU kernel covers tensorwise scaling
@@ -38,7 +40,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+import torch.distributed as dist
 
 from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, BlockShape, Plane, transpose_2d
@@ -51,8 +53,6 @@ ENV_SWITCH = "DTENSOR_FP8_GEMMS"
 _mode_stack: list[str] = []
 _warned: set[str] = set()
 _recorders: list[list] = []
-#: weight tensor -> {"input": state, "grad": state} of stateful operand recipes (delayed scaling)
-_operand_states = WeakIdKeyDictionary()
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -196,9 +196,9 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not a 2-D linear"
     if _compat.is_traced(x) and _has_operand_state(weight.recipe, x.device):
-        # The operand states live in _operand_states, keyed by the weight object: a compiled graph
-        # sees a traced stand-in for the weight, so its updates would never reach the map (delayed
-        # scaling's histories would not advance). The emulated linear compiles exactly.
+        # The operand states live in the weight's owner record: a compiled graph sees a traced
+        # stand-in for the weight, so its updates would never reach the record (delayed scaling's
+        # histories would not advance). The emulated linear compiles exactly.
         return "under torch.compile: the operand scaling state (delayed scaling's amax histories) is kept outside the graph"
     tokens = x.numel() // max(x.shape[-1], 1)
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
@@ -255,19 +255,28 @@ def note_fallback(reason: str, x: torch.Tensor, weight) -> None:
                   "Said once per process.", stacklevel=4)
 
 
-def _states(weight, gemm_recipe, device) -> dict:
-    """The operand scaling states kept for ``weight`` (created on first use)."""
-    states = _operand_states.get(weight)
-    if states is None:
-        states = {"input": gemm_recipe.input.operand_state(device), "grad": gemm_recipe.grad.operand_state(device)}
-        _operand_states[weight] = states
-    return states
+def _states(weight, device) -> dict:
+    """The operand scaling states of ``weight``'s parameter (its owner record's)."""
+    return weight.param_state.ensure_operand_states(weight.recipe, device)
 
 
-def operand_states(weight) -> dict | None:
+def operand_states(weight) -> dict:
     """The activation / gradient scaling states of ``weight`` (delayed scaling's amax histories and
-    scales), ``None`` before its first FP8 GEMM."""
-    return _operand_states.get(weight)
+    scales; empty for recipes whose operands keep none).
+
+    Example:
+        >>> sorted(operand_states(layer.weight))   # delayed scaling
+        ['grad', 'input']
+    """
+    return _states(weight, weight.device)
+
+
+def _world_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax`` reduced (MAX) over the world, as TE reduces delayed scaling's amaxes."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return amax
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -277,8 +286,11 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        states = _states(weight, g, x.device)
-        planes, states["input"] = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states["input"])
+        states = _states(weight, x.device)
+        planes, new_state = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states.get("input"),
+                                                     reduce_amax=_world_max)
+        if new_state is not None:
+            states["input"] = new_state
         a = operand(planes[ROWWISE], g.input.block_shape(ROWWISE), 1)
         b = operand(weight.plane(ROWWISE), weight.recipe.block_shape(ROWWISE), 1)
         y = scaled_mm(a, b, x.dtype, fast_accum=g.fast("fprop"), gemm="fprop")
@@ -303,8 +315,11 @@ class _FP8Linear(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1] and ctx.needs_wgrad
         grad_x = grad_w = grad_b = None
         if need_dx or need_dw:
-            states = _states(weight, g, dy.device)
-            planes, states["grad"] = g.grad.quantize_operand(dy, rowwise=need_dx, columnwise=need_dw, state=states["grad"])
+            states = _states(weight, dy.device)
+            planes, new_state = g.grad.quantize_operand(dy, rowwise=need_dx, columnwise=need_dw, state=states.get("grad"),
+                                                        reduce_amax=_world_max)
+            if new_state is not None:
+                states["grad"] = new_state
         if need_dx:
             w_plane = weight.plane(COLUMNWISE)  # raises with the fix when the gather did not bring it
             cache = weight.create_transpose_cache() if w_recipe.columnwise_is_transpose else None

@@ -1,21 +1,34 @@
-"""Turning a model's ``nn.Linear`` weights into FP8 parameters."""
+"""Turning a model's ``nn.Linear`` weights into FP8 parameters, materialized or on the meta device.
+
+[Note: building a model larger than one rank]
+torchtitan's flow builds the model on the meta device, shards it, then materializes and
+initializes each rank's shard only. ``quantize_module_`` accepts meta weights: it makes FP8
+parameters whose planes have a shape and no bytes, plus room for the high-precision values the
+user's init will write (``QuantizedTensor.hp_init``, ``bytes_pending``). ``fully_shard`` cuts planes
+and values into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
+user's init (``reset_parameters()``, ``nn.init.*``, ``weight.copy_(...)``) writes the values
+(``ops/init.py``), and :func:`finish_init_` (called by :class:`MasterWeightOptimizer`) quantizes
+them: blocks inside a shard from the shard alone, per-tensor scales from the global amax (one
+all-reduce for all weights). The optimizer's masters then start from those values, not from their
+FP8 rounding, and the values are dropped from the shard. No rank ever holds more than its shards
+and one weight's transient.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .formats.base import Recipe, RecipeError
+from ._compat import dtensor_local
+from .placement import local_tensor
 from .quantize import quantize
+from .requantize import sharded_dims
 from .state_dict import register_state_dict_hooks
 from .tensor import QuantizedTensor
-
-#: ``module._dtensor_fp8_hp_init[fqn]``: the high-precision weight each FP8 parameter was quantized
-#: from (kept on CPU), so :class:`MasterWeightOptimizer` can start the FP32 masters from the exact
-#: initial values rather than from their FP8 rounding. The optimizer drops it once consumed.
-HP_INIT_ATTR = "_dtensor_fp8_hp_init"
 
 
 def quantize_module_(
@@ -27,13 +40,13 @@ def quantize_module_(
 ) -> nn.Module:
     """Replace the weights of ``nn.Linear`` layers by FP8 parameters, in place, all or nothing.
 
-    Call it after initialization and before ``fully_shard``. A model built on the meta device is
-    materialized and initialized first (``module.to_empty(device=...)``, then your init, e.g.
-    ``reset_parameters()``), then quantized: FP8 bytes are a function of real values.
+    Call it before ``fully_shard``, on a model built on the meta device (its FP8 bytes are made by
+    the optimizer from your init, see the note) or on an initialized one (quantized now).
 
-    Every selected layer is checked first — materialized, a weight shape the recipe can represent,
-    a floating dtype, no NaN or Inf — and if any fails, a :class:`RecipeError` lists every failing
-    layer and nothing is converted; otherwise all are converted.
+    Every selected layer is checked first — a weight shape the recipe can represent, a floating
+    dtype, no NaN or Inf, not tied to another module's parameter, not already FP8 in another recipe
+    — and if any fails, a :class:`RecipeError` lists every failing layer and nothing is converted;
+    otherwise all are converted. Weights already FP8 in ``recipe`` are left as they are.
 
     Args:
         module: the model.
@@ -41,55 +54,152 @@ def quantize_module_(
         filter_fn: ``(linear_module, fqn) -> bool``; only layers it accepts are converted.
             Default: every ``nn.Linear`` (use a filter to keep layers the recipe cannot represent,
             or that should stay precise, e.g. an output head, in high precision).
-        keep_hp_init: keep a CPU copy of each high-precision weight for the master weights.
+        keep_hp_init: an initialized model: keep a CPU copy of each high-precision weight for the
+            masters (sharded with the weight; the optimizer takes it). A meta model always keeps
+            its values (they are what the FP8 bytes are made from).
 
     Returns:
         ``module``.
 
     Example:
-        >>> model = Transformer(args)                       # or on meta + to_empty + init
+        >>> with torch.device("meta"):
+        ...     model = Transformer(args)
         >>> dtensor_fp8.quantize_module_(model, dtensor_fp8.MXFP8(), filter_fn=lambda m, fqn: fqn != "head")
         >>> for block in model.layers: fully_shard(block)
         >>> fully_shard(model)
+        >>> model.to_empty(device="cuda"); model.init_weights()
+        >>> opt = dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, lr=3e-4)
     """
-    targets = [(fqn, sub) for fqn, sub in module.named_modules()
-               if isinstance(sub, nn.Linear) and not isinstance(sub.weight, QuantizedTensor)
-               and (filter_fn is None or filter_fn(sub, fqn))]
-    problems = [p for fqn, sub in targets if (p := _why_not_quantizable(f"{fqn}.weight" if fqn else "weight", sub.weight, recipe))]
+    places = _parameter_places(module)
+    targets, problems, selected = [], [], 0
+    for fqn, sub in module.named_modules():
+        if not isinstance(sub, nn.Linear) or (filter_fn is not None and not filter_fn(sub, fqn)):
+            continue
+        name = f"{fqn}.weight" if fqn else "weight"
+        selected += 1
+        current = local_tensor(sub.weight)
+        if isinstance(current, QuantizedTensor):
+            if current.recipe != recipe:
+                problems.append(
+                    f"{name} is already an FP8 parameter in {current.recipe!r}: switch recipes through high precision "
+                    "(hp = dtensor_fp8.export_hp_state_dict(model, torch.float32, optimizer=opt); build the model anew, "
+                    f"quantize_module_(new_model, {recipe!r}); dtensor_fp8.load_hp_state_dict(new_model, hp, "
+                    "optimizer=new_opt))")
+            continue
+        problem = _why_not_quantizable(name, sub.weight, recipe, places.get(id(sub.weight), [name]))
+        if problem:
+            problems.append(problem)
+        else:
+            targets.append((name, sub))
     if problems:
         raise RecipeError(
-            f"quantize_module_: nothing was converted; {len(problems)} of {len(targets)} selected Linear weights "
-            f"cannot be quantized with {recipe!r}:\n  " + "\n  ".join(problems) +
+            f"quantize_module_: nothing was converted; {len(problems)} of {selected} selected Linear weights cannot be "
+            "quantized with "
+            f"{recipe!r}:\n  " + "\n  ".join(problems) +
             "\nFix those weights, or leave their layers out with filter_fn=lambda module, fqn: ... (they then stay "
             "in high precision)."
         )
-    converted = [(fqn, sub, quantize(sub.weight.detach(), recipe)) for fqn, sub in targets]
-    hp_init = getattr(module, HP_INIT_ATTR, {})
-    for fqn, sub, q in converted:  # nothing can fail from here on
-        weight = sub.weight
-        sub.weight = nn.Parameter(q, requires_grad=weight.requires_grad)
+    converted = [(sub, _fp8_weight(sub.weight.detach(), recipe, keep_hp_init)) for _, sub in targets]
+    for sub, q in converted:  # nothing can fail from here on
+        sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
         register_state_dict_hooks(sub)
-        if keep_hp_init:
-            hp_init[f"{fqn}.weight" if fqn else "weight"] = weight.detach().to("cpu", copy=True)
-    setattr(module, HP_INIT_ATTR, hp_init)
     return module
 
 
-def _why_not_quantizable(name: str, weight: torch.Tensor, recipe: Recipe) -> str | None:
-    """Why ``weight`` cannot become an FP8 parameter of ``recipe`` (``None``: it can)."""
+def _fp8_weight(weight: torch.Tensor, recipe: Recipe, keep_hp_init: bool) -> QuantizedTensor:
+    """The FP8 parameter for ``weight``: bytes pending on meta (see the note), made now otherwise."""
     shape = tuple(weight.shape)
     if weight.is_meta:
-        return (f"{name} {shape} is on the meta device: materialize and initialize first (module.to_empty(device=...), "
-                "then your init, e.g. reset_parameters())")
+        planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
+        return QuantizedTensor.from_planes(planes, recipe, shape, weight.dtype, hp_init=torch.empty_like(weight),
+                                           bytes_pending=True)
+    q = quantize(weight, recipe)
+    return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
+
+
+def _parameter_places(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every FQN it is reachable under (more than one: a tied parameter)."""
+    places: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append(name)
+    return places
+
+
+def _why_not_quantizable(name: str, weight: torch.Tensor, recipe: Recipe, places: list[str]) -> str | None:
+    """Why ``weight`` cannot become an FP8 parameter of ``recipe`` (``None``: it can)."""
+    shape = tuple(weight.shape)
+    if len(places) > 1:
+        return (f"{name} {shape} is tied: the same parameter is also {', '.join(p for p in places if p != name)}. "
+                "One FP8 parameter cannot serve an embedding lookup or a second layer's own weight; leave this layer "
+                "out (filter_fn) to keep the tie in high precision, or untie the weights first")
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{name} {shape} has dtype {weight.dtype}; FP8 parameters are made from fp32 / bf16 / fp16 weights"
     try:
         recipe.check_shape(shape)
     except RecipeError as err:
         return f"{name}: {err}"
+    if weight.is_meta:
+        return None
     finite = torch.isfinite(weight.detach())
     if not bool(finite.all()):
         nan = int(torch.isnan(weight.detach()).sum())
         return (f"{name} {shape} holds {nan} NaN and {int((~finite).sum()) - nan} infinite values: FP8 cannot store "
                 "them faithfully (a NaN poisons its block or tensor; an Inf saturates to the FP8 maximum); fix the init")
     return None
+
+
+@torch.no_grad()
+def finish_init_(model: nn.Module) -> list[str]:
+    """Make the FP8 bytes of every weight built on the meta device from the values your init
+    wrote (see the note); a no-op for weights whose bytes are made. Call it on every rank (a
+    per-tensor recipe's scale needs the amax over all shards: one all-reduce for all weights).
+    :class:`MasterWeightOptimizer` calls it; call it yourself only to run a model without one.
+
+    The bytes equal ``quantize(full_weight, recipe)``'s: blocks inside a shard from the shard,
+    per-tensor scales from the global amax. Each weight keeps its values (``hp_init``) for the
+    masters until an optimizer takes them.
+
+    Args:
+        model: the model (sharded or not), after ``to_empty`` and your init.
+
+    Returns:
+        The FQNs of the weights whose bytes were made.
+
+    Example:
+        >>> model.to_empty(device="cuda"); model.init_weights()
+        >>> dtensor_fp8.finish_init_(model)      # or build the MasterWeightOptimizer
+    """
+    # The local tensors themselves (DTensor.to_local() would hand out aliases): their flags change.
+    locals_ = [(name, p, dtensor_local(p)) for name, p in model.named_parameters()]
+    pending = [(name, p, q) for name, p, q in locals_ if isinstance(q, QuantizedTensor) and q.bytes_pending]
+    for name, _, q in pending:
+        if q.is_meta or q.hp_init.is_meta:
+            raise RecipeError(f"finish_init_: {name} is still on the meta device; call model.to_empty(device=...) "
+                              "and initialize the weights first")
+        if not bool(torch.isfinite(q.hp_init).all()):
+            raise RecipeError(f"finish_init_: {name} {tuple(q.shape)} holds NaN or Inf after your init: FP8 cannot store "
+                              "them faithfully; fix the init")
+    # Per-block amaxes; those of blocks spanning a sharded dim (per-tensor scales) are reduced over
+    # the world in one all-reduce (ranks that replicate a shard contribute the same values).
+    jobs, spanning = [], []
+    for name, p, q in pending:
+        dims = sharded_dims(p)
+        for usage in q.planes:
+            amax = q.recipe.block_amax(q.hp_init.reshape(q.planes[usage].data.shape), usage)
+            jobs.append((q, usage, amax))
+            if any(q.recipe.spans_dim(usage, d) for d in dims):
+                spanning.append(len(jobs) - 1)
+    if spanning and dist.is_initialized() and dist.get_world_size() > 1:
+        flat = torch.cat([jobs[i][2].reshape(-1) for i in spanning])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        for i, part in zip(spanning, flat.split([jobs[i][2].numel() for i in spanning])):
+            jobs[i] = (jobs[i][0], jobs[i][1], part.reshape(jobs[i][2].shape))
+    for q, usage, amax in jobs:
+        plane = q.planes[usage]
+        fresh = q.recipe.quantize_plane(q.hp_init.reshape(plane.data.shape), usage, amax=amax)
+        plane.data.copy_(fresh.data)
+        plane.scale_inv.copy_(fresh.scale_inv)
+    for _, _, q in pending:
+        q.param_state.reset_()  # states made before the bytes (on meta) start again from them
+        q.mark_bytes_made_()
+    return [name for name, _, _ in pending]

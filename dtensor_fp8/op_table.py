@@ -30,6 +30,22 @@ class OpTable:
     def __init__(self, owner: str):
         self.owner = owner
         self._impls: dict = {}
+        self._fallback: Callable | None = None
+
+    def set_fallback(self, fn: Callable) -> None:
+        """Register ``fn(func, args, kwargs)``, tried for an op without an implementation; it
+        returns ``NotImplemented`` to decline (the op then raises). Registered once.
+
+        Raises:
+            ValueError: a fallback is already registered.
+        """
+        if self._fallback is not None:
+            raise ValueError(f"dtensor_fp8: {self.owner} already has a fallback ({self._fallback.__qualname__})")
+        self._fallback = fn
+
+    def fallback(self, func, args, kwargs):
+        """The fallback's result for ``func``, or ``NotImplemented``."""
+        return NotImplemented if self._fallback is None else self._fallback(func, args, kwargs)
 
     def implements(self, ops) -> Callable:
         """Decorator registering ``fn(func, args, kwargs)`` for every op in ``ops``.

@@ -21,8 +21,10 @@ After the step every FP8 shard is requantized in place from its master (``requan
 [Note: optimizer state, as torch's utilities see it]
 ``state[p]`` of an FP8 parameter ``p`` holds ``"master"`` (a DTensor laid out like ``p``), the
 inner optimizer's state of that master (``exp_avg``, ... as DTensors laid out like ``p``;
-``step`` as it is) and, for stateful recipes (delayed scaling), the scaling state by plane
-(``"rowwise_amax_history"``, ``"rowwise_scale"``). ``state[p]`` of a high-precision parameter
+``step`` as it is) and, for stateful recipes (delayed scaling), the weight scaling state by plane
+(``"rowwise_amax_history"``, ``"rowwise_scale"``): saved here, beside the master it is updated
+from, but owned by the parameter's record (``QuantizedTensor.param_state``, see
+``param_state.py``), which this optimizer reads and writes. ``state[p]`` of a high-precision parameter
 holds the inner state of ``p``. ``state_dict()`` / ``load_state_dict()`` use torch's format
 (integer ids in ``param_groups`` order; ``torch.distributed.checkpoint.state_dict`` turns them into
 FQNs and back), so DCP reshards every entry.
@@ -57,10 +59,10 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .formats.base import USAGES
-from .module import HP_INIT_ATTR
+from .module import finish_init_
 from .placement import like, local_tensor
 from .optim_state import StateView, as_global, localize
-from .requantize import GraphedRequantize, local_slice
+from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
 
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,21 +136,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         #: steps not taken because a gradient was not finite (``nonfinite="skip"``)
         self.skipped_steps = 0
         self.model = model
+        finish_init_(model)  # a meta-built model's FP8 bytes, from the values its init wrote
         groups = _param_groups(model if params is None else params)
         self._fqn = _fqns(model, groups)
-        hp_init = _hp_inits(model)
         #: FP8 parameter -> its master (an ``nn.Parameter``, a DTensor like the parameter when sharded)
         self._masters: dict[torch.Tensor, nn.Parameter] = {}
         #: model parameter -> what the inner optimizer steps for it (see the note)
         self._inner_of: dict[torch.Tensor, torch.Tensor] = {}
         with torch.no_grad():
             for p in (p for g in groups for p in g["params"]):
-                local = local_tensor(p)
+                local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
                 if isinstance(local, QuantizedTensor):
-                    kept = hp_init.get(self._fqn[p])
-                    init = kept[0].pop(kept[1]) if kept is not None else None
+                    init = local.take_hp_init()
                     if init is not None:
-                        master_local = local_slice(init, p).to(device=local.device, dtype=master_dtype).clone()
+                        master_local = _own_tensor(init.to(device=local.device, dtype=master_dtype), init)
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
@@ -161,15 +162,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         super().__init__(groups, inner.defaults)
         self._inner = inner
         self._sync_hyperparameters()
-        #: per (fqn, usage) scaling state of stateful recipes (delayed scaling's amax history); made now,
-        #: from each plane's current scale, so a fresh optimizer is a complete checkpoint template
-        self.scaling_states: dict[tuple[str, str], dict] = {}
+        # The weight scaling state of stateful recipes (delayed scaling's amax history), made now in
+        # each parameter's owner record from its plane's current scale: a fresh optimizer is then a
+        # complete checkpoint template.
         for p in self._masters:
             q = local_tensor(p)
             for usage, plane in q.planes.items():
-                state = q.recipe.initial_scaling_state(plane)
-                if state is not None:
-                    self.scaling_states[(self._fqn[p], usage)] = state
+                q.param_state.weight_state(q.recipe, usage, plane)
         self._requantize = GraphedRequantize(cuda_graph)
         self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
         #: bumped whenever the inner state may have new tensors (a step, a load): ``state`` re-reads it
@@ -300,11 +299,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 elif p in self._masters and key.startswith(_SCALING_PREFIXES):
                     # A recipe's scaling state: loaded where this recipe keeps the same state, else
                     # dropped (a recipe switch starts the new recipe's scaling afresh).
-                    found = self._scaling_key(p, key)
-                    if found is not None:
-                        (fqn_usage, field) = found
-                        target = self.scaling_states[fqn_usage][field]
-                        target.copy_(value.to(target.device))
+                    target = local_tensor(p).param_state.weight_entries().get(key)
+                    if target is not None:
+                        target.copy_(local_tensor(value).to(target.device))
                 else:
                     own[key] = localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
             if own:
@@ -328,6 +325,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return {self._fqn[p]: m for p, m in self._masters.items()}
 
     @property
+    def scaling_states(self) -> dict[tuple[str, str], dict]:
+        """``(fqn, plane) -> weight scaling state`` of stateful recipes (delayed scaling), as held by
+        each parameter's owner record (``param_state.weight_scaling``; not this optimizer's)."""
+        return {(self._fqn[p], usage): state for p in self._masters
+                for usage, state in local_tensor(p).param_state.weight_scaling.items()}
+
+    @property
     def inner(self) -> torch.optim.Optimizer:
         """The torch optimizer doing the arithmetic, over local tensors (see the note)."""
         return self._inner
@@ -335,7 +339,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def requantize_(self) -> None:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
-        self._requantize([(self._fqn[p], p, self._inner_of[p]) for p in self._masters], self.scaling_states)
+        self._requantize([(self._fqn[p], p, self._inner_of[p]) for p in self._masters])
 
     def __repr__(self) -> str:
         dtype = str(self.master_dtype).replace("torch.", "")
@@ -453,16 +457,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 step = state["step"]
                 state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
 
-    def _scaling_key(self, p, key: str):
-        """``((fqn, usage), field)`` for a state key such as ``"rowwise_amax_history"``, else None."""
-        for usage in local_tensor(p).planes:
-            prefix = f"{usage}_"
-            if key.startswith(prefix) and (self._fqn[p], usage) in self.scaling_states:
-                field = key[len(prefix):]
-                if field in self.scaling_states[(self._fqn[p], usage)]:
-                    return (self._fqn[p], usage), field
-        return None
-
     def _state_of(self, p) -> dict:
         """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner
         state's local tensors, made once per inner tensor and kept."""
@@ -476,9 +470,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 cached = self._views[(id(p), key)] = (value, as_global(ref, value))
             out[key] = cached[1]
         if p in self._masters:
-            for usage in local_tensor(p).planes:
-                for field, value in self.scaling_states.get((self._fqn[p], usage), {}).items():
-                    out[f"{usage}_{field}"] = value
+            out.update(local_tensor(p).param_state.weight_entries())
         return out
 
 
@@ -501,16 +493,14 @@ def _param_groups(params) -> list[dict]:
     return [{"params": params}]
 
 
-def _hp_inits(model: nn.Module) -> dict[str, tuple[dict, str]]:
-    """Where the high-precision init values ``quantize_module_`` kept are, by FQN in ``model`` (it
-    may have been called on a submodule, e.g. ``model.layers``): ``(the module's dict, its key)``,
-    so the optimizer can take each value out once it is used."""
-    out = {}
-    for prefix, module in model.named_modules():
-        kept = module.__dict__.get(HP_INIT_ATTR) or {}
-        for name in kept:
-            out[canonical_fqn(f"{prefix}.{name}" if prefix else name)] = (kept, name)
-    return out
+def _own_tensor(master: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """``master`` (``init`` converted) as a contiguous tensor of its own: ``init`` itself when it
+    already is one (a meta-built shard's values become the master without a copy), else a copy
+    (a view into a larger buffer, e.g. a CPU copy of the whole weight, would keep it alive)."""
+    if master.data_ptr() == init.data_ptr() and (
+            not master.is_contiguous() or master.untyped_storage().nbytes() != master.numel() * master.element_size()):
+        return master.clone(memory_format=torch.contiguous_format)
+    return master.contiguous()
 
 
 #: Path components that wrappers insert into parameter names and torch's state-dict helpers drop

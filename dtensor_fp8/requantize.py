@@ -6,7 +6,8 @@ shard, into every plane it stores. A scaling block that lies inside one shard ne
 other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
 needs the max over all shards: those amaxes of *all* weights are packed into one tensor and
 reduced with a single all-reduce, not one per weight. Delayed scaling records that global amax in
-its per-weight amax history and takes the next scale from TE's update rule.
+its per-weight amax history (the weight's owner record, ``QuantizedTensor.param_state``) and
+takes the next scale from TE's update rule.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .placement import local_tensor, shard_dim
 
 
-def _sharded_dims(p: torch.Tensor) -> set[int]:
+def sharded_dims(p: torch.Tensor) -> set[int]:
     """Tensor dims sharded over any mesh dim."""
     if not isinstance(p, DTensor):
         return set()
@@ -40,19 +41,19 @@ def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def requantize_from_hp_(items, scaling_states: dict | None = None) -> None:
-    """Requantize FP8 parameters in place from high-precision local shards.
+def requantize_from_hp_(items) -> None:
+    """Requantize FP8 parameters in place from high-precision local shards; a stateful recipe
+    (delayed scaling) updates the weight scaling state in each parameter's owner record
+    (``param_state.weight_scaling``, created from the current scale if it has none yet).
 
     Args:
         items: ``(name, param, hp_local)``; ``param`` is a QuantizedTensor or a DTensor of one,
             ``hp_local`` the high-precision values of this rank's shard.
-        scaling_states: per ``(name, usage)`` scaling state of stateful recipes (delayed
-            scaling's amax history), updated in place; ``None`` keeps their current scales.
 
     Example:
-        >>> requantize_from_hp_([("w", model.w, master_shard)], opt.scaling_states)
+        >>> requantize_from_hp_([("w", model.w, master_shard)])
     """
-    plan = _RequantizePlan(items, scaling_states)
+    plan = _RequantizePlan(items)
     plan.run()
     plan.finish()
 
@@ -62,11 +63,11 @@ class _RequantizePlan:
     only), the device work (:meth:`run`: the only part a CUDA graph captures) and the Python-side
     bookkeeping after it (:meth:`finish`)."""
 
-    def __init__(self, items, scaling_states: dict | None):
+    def __init__(self, items):
         jobs, spanning = [], {}
         for name, p, hp in items:
             q = local_tensor(p)
-            sharded = _sharded_dims(p)
+            sharded = sharded_dims(p)
             for usage in q.planes:
                 # Only blocks that span a sharded dim need their amax now (to reduce it); the recipe
                 # computes the others itself, fused into its quantization where it can.
@@ -80,13 +81,8 @@ class _RequantizePlan:
         self.batches: dict = {}
         for i, (name, q, hp, usage) in enumerate(jobs):
             plane = q.planes[usage]
-            state = None
-            if scaling_states is not None:
-                state = scaling_states.get((name, usage))
-                if state is None:
-                    state = q.recipe.initial_scaling_state(plane)
-                    if state is not None:  # kept from now on and updated in place by run()
-                        scaling_states[(name, usage)] = state
+            # Kept in the owner record from now on and updated in place by run().
+            state = q.param_state.weight_state(q.recipe, usage, plane)
             self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in jobs))
 
@@ -124,7 +120,7 @@ class _RequantizePlan:
             q.discard_transpose_cache()
 
 
-def _fingerprint(items, scaling_states: dict | None) -> tuple:
+def _fingerprint(items) -> tuple:
     """Identity and address of every tensor a requantization of ``items`` reads or writes: equal
     fingerprints mean a graph captured for one is valid for the other."""
     out = []
@@ -133,7 +129,7 @@ def _fingerprint(items, scaling_states: dict | None) -> tuple:
         out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
         for usage, plane in q.planes.items():
             out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
-            state = scaling_states.get((name, usage)) if scaling_states is not None else None
+            state = q.param_state.weight_scaling.get(usage)
             if state is not None:
                 out += [t.data_ptr() for t in state.values()]
     return tuple(out)
@@ -167,15 +163,15 @@ class GraphedRequantize:
         self.replays = 0
         self._graph = self._plan = self._key = self._eager_key = None
 
-    def __call__(self, items, scaling_states: dict | None) -> None:
-        if self._graph is not None and _fingerprint(items, scaling_states) == self._key:
+    def __call__(self, items) -> None:
+        if self._graph is not None and _fingerprint(items) == self._key:
             self._graph.replay()
             self.replays += 1
             self._plan.finish()
             return
         self._graph = self._plan = self._key = None
-        plan = _RequantizePlan(items, scaling_states)
-        key = _fingerprint(items, scaling_states) if self._capturable(plan) else None
+        plan = _RequantizePlan(items)
+        key = _fingerprint(items) if self._capturable(plan) else None
         if key is None or key != self._eager_key:  # not capturable, or new tensors: eagerly
             self._eager_key = key
             plan.run()

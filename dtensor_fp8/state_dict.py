@@ -9,7 +9,14 @@
         "rowwise_scale_inv": fp32/uint8 DTensor (grid), # E8M0 scales as their bytes
         "columnwise_data": ..., "columnwise_scale_inv": ...,   # where the recipe stores it
         "recipe": '{"recipe": "MXFP8", "format": 1, "fp8_dtype": "float8_e4m3fn"}',
+        "input_amax_history": fp32 (L,), "input_scale": ..., "grad_amax_history": ..., "grad_scale": ...,
     }
+
+The last four are the FP8 GEMMs' operand scaling state (delayed scaling only, see
+``param_state.py``): plain tensors, the same on every rank (their amaxes are all-reduced), so any
+world size loads them. A checkpoint written before they were saved lacks them: it loads with
+``load_checkpoint(..., strict=False)``, which names them as missing, and they start afresh, as
+they did then.
 
 Each tensor is a DTensor with the parameter's mesh: data keeps the parameter's placements, a scale
 grid is sharded on the same dims where its blocks lie inside shards and replicated where one block
@@ -37,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ._compat import dtensor_local
 from .formats.base import Plane, RecipeError
 from .formats.config import recipe_config, recipe_from_config
+from .param_state import FP8ParamState
 from .placement import like, local_tensor, shard_dim
 from .requantize import local_slice, requantize_from_hp_
 from .tensor import QuantizedTensor, one_byte_as_uint8
@@ -68,7 +76,11 @@ def plane_entries(param: torch.Tensor) -> dict:
         ['columnwise_data', 'columnwise_scale_inv', 'recipe', 'rowwise_data', 'rowwise_scale_inv']
     """
     q = local_tensor(param)
+    q.check_bytes_made()
     entry = {RECIPE_KEY: recipe_config(q.recipe)}
+    q.param_state.ensure_operand_states(q.recipe, q.device)
+    for name, value in q.param_state.operand_entries().items():
+        entry[name] = value.detach().clone()
     for usage, plane in q.planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
@@ -147,7 +159,13 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
             )
         planes[usage] = Plane(data.to(plane.data.device).view(plane.data.dtype),
                               scale.to(plane.data.device).view(plane.scale_inv.dtype))
-    loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages)
+    # The operand scaling states the entry holds ride on the rebuilt tensor's own record; the
+    # parameter's copy_ copies them into its record (an older checkpoint without them: none).
+    own = q.param_state.ensure_operand_states(q.recipe, q.device)
+    loaded_state = FP8ParamState(operand_scaling={
+        op: {k: local_tensor(entry[f"{op}_{k}"]).to(v.device) for k, v in state.items()}
+        for op, state in own.items() if all(f"{op}_{k}" in entry for k in state)})
+    loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
     return like(param, loaded)
@@ -253,13 +271,16 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
         else:
             local_tensor(target).copy_(local)
     # Quantized as quantize() would quantize them: a stateful recipe (delayed scaling) starts a new
-    # scaling state from these values (written into the optimizer's own state tensors, if any).
-    fresh = {}
-    requantize_from_hp_(items, fresh)
-    kept = optimizer.scaling_states if optimizer is not None else {}
-    for key, state in fresh.items():
-        if key in kept:
-            for field, value in state.items():
-                kept[key][field].copy_(value)
+    # weight scaling state from these values (written into the owner records' existing tensors).
+    kept = {id(t): {u: dict(s) for u, s in local_tensor(t).param_state.weight_scaling.items()} for _, t, _ in items}
+    for _, t, _ in items:
+        local_tensor(t).param_state.weight_scaling.clear()
+    requantize_from_hp_(items)
+    for _, t, _ in items:
+        record = local_tensor(t).param_state
+        for usage, old in kept[id(t)].items():
+            for field, value in old.items():
+                value.copy_(record.weight_scaling[usage][field])
+            record.weight_scaling[usage] = old
     if others:
         model.load_state_dict(others, strict=False)

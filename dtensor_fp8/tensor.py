@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
 from .op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS
+from .param_state import FP8ParamState
 
 
 def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,12 @@ class QuantizedTensor(torch.Tensor):
         usages: which usages this tensor can serve; defaults to what the planes allow.
         transpose: optional transpose cache (transpose-derived recipes only).
         requires_grad: as for any tensor.
+        param_state: the :class:`FP8ParamState` of the parameter these planes belong to (a fresh
+            one, holding no state, when omitted).
+        hp_init: high-precision values of this tensor's elements (its logical shape) that the
+            optimizer's masters start from (see :attr:`hp_init`).
+        bytes_pending: the planes are allocated but their bytes not made yet (a meta build,
+            see :attr:`bytes_pending`); needs ``hp_init``.
 
     Example:
         >>> plane = MXFP8().quantize_plane(torch.randn(64, 64), "rowwise")
@@ -78,10 +85,18 @@ class QuantizedTensor(torch.Tensor):
     _transpose: torch.Tensor | None  #: transpose cache: TE's (K, M) copy of the shared plane
     _recipe: Recipe  #: the recipe that made the planes
     _usages: tuple[str, ...]  #: usages this tensor serves, in USAGES order
+    #: the parameter's owner record (scaling states; see param_state.py), shared by every tensor
+    #: derived from the same parameter; eager-side, not flattened (a compiled graph is not
+    #: specialized on it)
+    _param_state: FP8ParamState
+    #: high-precision values the masters start from, sliced and padded with the planes (see hp_init)
+    _hp_init: torch.Tensor | None
+    #: planes allocated, bytes not made yet: a meta build awaiting finish_init_ (see bytes_pending)
+    _bytes_pending: bool
 
     @staticmethod
     def __new__(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                usages=None, transpose=None, requires_grad=False):
+                usages=None, transpose=None, requires_grad=False, param_state=None, hp_init=None, bytes_pending=False):
         some = rowwise_data if rowwise_data is not None else columnwise_data
         if some is None:
             raise RecipeError(f"{recipe.name}: a QuantizedTensor needs at least one plane")
@@ -90,8 +105,15 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def __init__(self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                 usages=None, transpose=None, requires_grad=False):
+                 usages=None, transpose=None, requires_grad=False, param_state=None, hp_init=None, bytes_pending=False):
         self._recipe = recipe
+        self._param_state = FP8ParamState() if param_state is None else param_state
+        if bytes_pending and hp_init is None:
+            raise RecipeError(f"{recipe.name}: a QuantizedTensor whose bytes are pending needs its hp_init values")
+        if hp_init is not None and tuple(hp_init.shape) != tuple(shape):
+            raise RecipeError(f"{recipe.name}: hp_init of shape {tuple(hp_init.shape)} for a tensor of shape {tuple(shape)}")
+        self._hp_init = hp_init
+        self._bytes_pending = bool(bytes_pending)
         planes = {}
         if rowwise_data is not None:
             planes[ROWWISE] = Plane(rowwise_data, rowwise_scale_inv)
@@ -102,7 +124,8 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def from_planes(cls, planes: dict[str, Plane], recipe: Recipe, shape, dtype: torch.dtype,
                     usages: tuple[str, ...] | None = None, transpose: torch.Tensor | None = None,
-                    requires_grad: bool = False) -> "QuantizedTensor":
+                    requires_grad: bool = False, *, param_state: FP8ParamState | None = None,
+                    hp_init: torch.Tensor | None = None, bytes_pending: bool = False) -> "QuantizedTensor":
         """A QuantizedTensor holding ``planes`` (stored planes by usage, logical orientation).
 
         Args:
@@ -119,7 +142,7 @@ class QuantizedTensor(torch.Tensor):
         return cls(
             None if row is None else row.data, None if row is None else row.scale_inv,
             None if col is None else col.data, None if col is None else col.scale_inv,
-            recipe, shape, dtype, usages, transpose, requires_grad,
+            recipe, shape, dtype, usages, transpose, requires_grad, param_state, hp_init, bytes_pending,
         )
 
     def _set_planes(self, planes: dict[str, Plane], usages, transpose) -> None:
@@ -158,6 +181,39 @@ class QuantizedTensor(torch.Tensor):
             if data is not None:
                 out[usage] = Plane(data, getattr(self, scale_attr))
         return out
+
+    @property
+    def param_state(self) -> FP8ParamState:
+        """The owner record of the parameter these planes belong to (scaling states; see
+        ``param_state.py``), shared by the shard, the gathered weight and their views."""
+        return self._param_state
+
+    @property
+    def hp_init(self) -> torch.Tensor | None:
+        """High-precision values the optimizer's masters start from (this tensor's logical shape;
+        ``None`` once taken, or when not kept): the weight as initialized, not its FP8 rounding.
+        Sliced, padded and moved with the planes, so FSDP's shard holds its own rows only."""
+        return self._hp_init
+
+    @property
+    def bytes_pending(self) -> bool:
+        """Whether the FP8 bytes are still to be made from :attr:`hp_init` (a model built on the
+        meta device: the user's init writes :attr:`hp_init`; ``dtensor_fp8.finish_init_``, which
+        :class:`MasterWeightOptimizer` calls, quantizes it). Reading a plane raises until then."""
+        return self._bytes_pending
+
+    def take_hp_init(self) -> torch.Tensor | None:
+        """Hand :attr:`hp_init` over (to become a master) and drop this tensor's reference.
+
+        Example:
+            >>> master = shard.take_hp_init()   # None if it was not kept
+        """
+        hp, self._hp_init = self._hp_init, None
+        return hp
+
+    def mark_bytes_made_(self) -> None:
+        """Record that the planes now hold the bytes of :attr:`hp_init` (``finish_init_``)."""
+        self._bytes_pending = False
 
     def plane_tensors(self) -> tuple:
         """The inner tensors, ``(rowwise data, rowwise scale_inv, columnwise data, columnwise
@@ -209,22 +265,35 @@ class QuantizedTensor(torch.Tensor):
         Example:
             >>> q.plane("rowwise").scale_inv.shape   # the rowwise block grid
         """
+        self.check_bytes_made()
         stored = self._recipe.stored_usage(usage)
         data_attr, scale_attr = PLANE_ATTRS[stored]
         data = getattr(self, data_attr)
         if usage not in self._usages or data is None:
-            hint = ""
-            if torch.compiler.is_compiling():
-                hint = (" Under torch.compile a compiled backward reads the planes its forward saw: with "
-                        "fully_shard, compile each block before fully_shard (block.compile()), or mark the "
-                        "fully_shard-ed module with dtensor_fp8.gather_both_usages(module).")
-            raise RecipeError(
-                f"{self._recipe.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
-                f"{self._usages}, not {usage!r}. Gather/quantize with {usage} usage enabled "
-                "(e.g. quantize(..., columnwise=True)); planes are never rebuilt from high precision implicitly."
-                + hint
-            )
+            return self._missing_usage(usage)
         return Plane(data, getattr(self, scale_attr))
+
+    def check_bytes_made(self) -> None:
+        """Raise, with the fix, if this weight's FP8 bytes are still pending (see :attr:`bytes_pending`)."""
+        if self._bytes_pending:
+            raise RecipeError(
+                f"{self._recipe.name}: this FP8 weight of shape {tuple(self.shape)} was built on the meta device and "
+                "its FP8 bytes are not made yet. After model.to_empty(...) and your init, build the "
+                "dtensor_fp8.MasterWeightOptimizer (it takes the init values as masters and quantizes them) or call "
+                "dtensor_fp8.finish_init_(model) before the first forward or state_dict().")
+
+    def _missing_usage(self, usage: str):
+        hint = ""
+        if torch.compiler.is_compiling():
+            hint = (" Under torch.compile a compiled backward reads the planes its forward saw: with "
+                    "fully_shard, compile each block before fully_shard (block.compile()), or mark the "
+                    "fully_shard-ed module with dtensor_fp8.gather_both_usages(module).")
+        raise RecipeError(
+            f"{self._recipe.name}: this QuantizedTensor of shape {tuple(self.shape)} holds usages "
+            f"{self._usages}, not {usage!r}. Gather/quantize with {usage} usage enabled "
+            "(e.g. quantize(..., columnwise=True)); planes are never rebuilt from high precision implicitly."
+            + hint
+        )
 
     def dequantize(self, dtype: torch.dtype | None = None, usage: str | None = None) -> torch.Tensor:
         """High-precision values from one plane (rowwise when held, else columnwise).
@@ -297,9 +366,10 @@ class QuantizedTensor(torch.Tensor):
 
     # ---- construction helpers -------------------------------------------------------------------
     def rebuild(self, planes: dict[str, Plane] | None = None, *, shape=None, usages=None, transpose=None,
-                dtype=None) -> "QuantizedTensor":
-        """A new QuantizedTensor of this recipe: these planes / shape / usages / dtype unless given
-        (the transpose cache only when passed).
+                dtype=None, hp_init=None, bytes_pending=False) -> "QuantizedTensor":
+        """A new QuantizedTensor of this recipe and parameter (the same :attr:`param_state`): these
+        planes / shape / usages / dtype unless given (the transpose cache, ``hp_init`` and
+        ``bytes_pending`` only when passed: ops that keep the elements pass them on).
 
         Example:
             >>> q.rebuild(q.planes, dtype=torch.float32)   # same bytes, another nominal dtype
@@ -307,6 +377,7 @@ class QuantizedTensor(torch.Tensor):
         return QuantizedTensor.from_planes(
             self.planes if planes is None else planes, self._recipe, self.shape if shape is None else shape,
             dtype or self.dtype, self._usages if usages is None else usages, transpose,
+            param_state=self._param_state, hp_init=hp_init, bytes_pending=bytes_pending,
         )
 
     def with_usages(self, *usages: str) -> "QuantizedTensor":
@@ -364,6 +435,10 @@ class QuantizedTensor(torch.Tensor):
         kwargs = kwargs or {}
         impl = QUANTIZED_OPS.lookup(func)
         if impl is None:
+            # A meta-built weight whose bytes are pending runs its init's other ops on its values.
+            result = QUANTIZED_OPS.fallback(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
             shapes = tree_map_only(QuantizedTensor, lambda t: f"QuantizedTensor{tuple(t.shape)}", args)
             raise NotImplementedError(
                 f"dtensor_fp8: {func} is not supported on a QuantizedTensor (args: {shapes}). FP8 weights "

@@ -34,7 +34,6 @@ def test_non_finite_weights_are_refused_by_every_recipe_alike(recipe_name, bad):
     after = _weights(model)
     for n in before:  # compared as bytes: the NaN too
         assert torch.equal(before[n].view(torch.int32), after[n].view(torch.int32)), n
-    assert not hasattr(model, "_dtensor_fp8_hp_init") or not model._dtensor_fp8_hp_init
 
 
 def test_every_unrepresentable_layer_is_listed_and_a_filter_keeps_them_in_high_precision():
@@ -48,11 +47,67 @@ def test_every_unrepresentable_layer_is_listed_and_a_filter_keeps_them_in_high_p
     assert isinstance(model[0].weight, d.QuantizedTensor) and not isinstance(model[2].weight, d.QuantizedTensor)
 
 
-def test_meta_weights_are_refused_with_the_fix():
+@pytest.mark.parametrize("recipe_name", list(d.RECIPES))
+def test_meta_build_makes_the_bytes_of_the_init_and_masters_of_its_values(recipe_name):
+    """One process, no FSDP: a meta model quantized, materialized and initialized by the user's own
+    code holds what quantizing the initialized weights gives, and its masters are the init values."""
+    recipe = d.RECIPES[recipe_name]
     with torch.device("meta"):
-        model = _model()
-    with pytest.raises(d.RecipeError, match=r"meta device: materialize and initialize first \(module.to_empty"):
+        meta = _model()
+    d.quantize_module_(meta, recipe)
+    assert all(p.bytes_pending for p in meta.parameters() if isinstance(p, d.QuantizedTensor))
+    meta.to_empty(device="cpu")
+    torch.manual_seed(1)
+    for layer in (meta[0], meta[2], meta[4]):
+        layer.reset_parameters()  # kaiming_uniform_ on the FP8 weight: its pending values
+    with pytest.raises(d.RecipeError, match=r"finish_init_\(model\)"):
+        meta(torch.randn(2, 64))  # no bytes yet: refused with the fix, never garbage
+    torch.manual_seed(1)
+    ref = _model()
+    torch.manual_seed(1)
+    for layer in (ref[0], ref[2], ref[4]):
+        layer.reset_parameters()
+    opt = d.MasterWeightOptimizer(meta, torch.optim.SGD, lr=0.1)
+    for i in (0, 2, 4):
+        q, want = meta[i].weight, d.quantize(ref[i].weight.detach(), recipe)
+        assert not q.bytes_pending and q.hp_init is None  # the master took the values
+        for usage, plane in want.planes.items():
+            assert torch.equal(q.planes[usage].data.view(torch.uint8), plane.data.view(torch.uint8)), (i, usage)
+            assert torch.equal(q.planes[usage].scale_inv.view(torch.uint8), plane.scale_inv.view(torch.uint8)), (i, usage)
+        assert torch.equal(opt.masters[f"{i}.weight"], ref[i].weight.detach())
+        assert torch.equal(meta[i].bias, ref[i].bias)
+
+
+def test_init_ops_on_a_weight_whose_bytes_are_made_are_refused():
+    model = d.quantize_module_(_model(), d.CurrentScaling())
+    before = model[0].weight.planes["rowwise"].data.clone()
+    with pytest.raises(d.RecipeError, match="bytes are already made"):
+        model[0].reset_parameters()
+    assert torch.equal(model[0].weight.planes["rowwise"].data.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_tied_weights_are_refused_naming_both_places():
+    model = _model()
+    head = nn.Linear(64, 64)
+    model.append(head)
+    head.weight = model[4].weight  # a Linear sharing another's weight (as lm_head shares an embedding's)
+    with pytest.raises(d.RecipeError) as err:
         d.quantize_module_(model, d.CurrentScaling())
+    msg = str(err.value)
+    assert "4.weight (64, 128) is tied" in msg and "5.weight" in msg and "filter_fn" in msg
+    assert not any(isinstance(p, d.QuantizedTensor) for p in model.parameters())
+
+
+def test_a_second_quantize_module_with_another_recipe_is_refused_with_the_switch_path():
+    model = d.quantize_module_(_model(), d.CurrentScaling())
+    before = {n: p for n, p in model.named_parameters()}
+    assert d.quantize_module_(model, d.CurrentScaling()) is model  # the same recipe: nothing to do
+    with pytest.raises(d.RecipeError) as err:
+        d.quantize_module_(model, d.MXFP8())
+    msg = str(err.value)
+    assert "already an FP8 parameter in CurrentScaling" in msg and "export_hp_state_dict" in msg
+    assert "load_hp_state_dict" in msg
+    assert {n: p for n, p in model.named_parameters()} == before
 
 
 def test_a_retry_after_a_failure_keeps_the_high_precision_init():

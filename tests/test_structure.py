@@ -29,7 +29,7 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 #: test keeps each layer acyclic). ``te`` plugs in from the top: nothing below imports it.
 LAYERS = [
     ("recipes", ["_compat", "weak_id_map", "formats", "formats.*"]),
-    ("tensor", ["op_table", "tensor", "quantize", "gemm", "linear"]),
+    ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "fsdp", "tp", "comm"]),
     ("training / checkpoint", ["requantize", "optim", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),

@@ -154,6 +154,18 @@ class Recipe(abc.ABC):
         wanted = [u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
         return tuple(dict.fromkeys(self.stored_usage(u) for u in wanted))
 
+    def empty_planes(self, shape: tuple[int, int], usages: tuple[str, ...], device) -> dict[str, Plane]:
+        """Uninitialized planes (FP8 data and block scales) of a ``shape`` weight for the stored
+        planes of ``usages``: a weight built on the meta device, whose bytes come later.
+
+        Example:
+            >>> MXFP8().empty_planes((64, 64), ("rowwise", "columnwise"), "meta")["columnwise"].scale_inv.shape
+            torch.Size([2, 64])
+        """
+        return {u: Plane(torch.empty(shape, dtype=self.fp8_dtype, device=device),
+                         torch.empty(self.block_shape(u).grid(shape), dtype=self.scale_inv_dtype, device=device))
+                for u in self.stored_usages(ROWWISE in usages, COLUMNWISE in usages)}
+
     def shard_alignment(self, dim: int, usages: tuple[str, ...] = USAGES) -> int:
         """Multiple that a shard boundary along ``dim`` must be, for the stored planes of ``usages``.
 
@@ -253,7 +265,7 @@ class Recipe(abc.ABC):
         function of the data alone."""
         return None
 
-    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None):
+    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None, reduce_amax=None):
         """Quantize a GEMM operand (activations, output gradients): the stored planes serving the
         usages asked for, and the scaling state for the next call.
 
@@ -261,6 +273,8 @@ class Recipe(abc.ABC):
             hp: 2-D high-precision tensor.
             rowwise, columnwise: the usages needed.
             state: from :meth:`operand_state` or the previous call (stateful recipes).
+            reduce_amax: applied to the amax a stateful recipe records in its history (the
+                caller's reduction over ranks, so every rank keeps the same state); ``None``: local.
 
         Returns:
             ``(planes by usage, state)``: a plane for each usage asked for (for transpose-derived

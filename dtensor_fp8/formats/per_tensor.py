@@ -232,17 +232,19 @@ class DelayedScaling(_PerTensor):
         return {"amax_history": torch.zeros(self.amax_history_len, device=device),
                 "scale": torch.ones(1, device=device)}
 
-    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None, reduce_amax=None):
         """TE's delayed scaling of an activation or gradient: the cast uses the scale the history
         gave so far and records its amax in ``history[0]``; the update TE runs when the autocast
         region ends (forward) or after the backward (gradients) then rolls the history and gives
         the next scale. Here that update follows each cast (the same, for a layer called once per
-        step). No amax all-reduce: TE reduces only over an explicit ``amax_reduction_group``."""
+        step). ``reduce_amax`` (the caller's MAX over ranks, as TE's ``reduce_amax``) makes the
+        recorded amax, and so the state, the same on every rank."""
         if state is None:
             state = self.operand_state(hp.device)
         scale = state["scale"].float().reshape(1)
         planes = self._operand_planes(hp, rowwise, columnwise, scale=scale)
-        history = self.record_amax(state["amax_history"], self.block_amax(hp, ROWWISE))
+        amax = self.block_amax(hp, ROWWISE)
+        history = self.record_amax(state["amax_history"], amax if reduce_amax is None else reduce_amax(amax))
         history, scale = self.update_scale(history, scale)
         return planes, {"amax_history": history, "scale": scale}
 
@@ -389,7 +391,7 @@ class CurrentScaling(_PerTensor):
         return GemmRecipe(input=CurrentScaling(torch.float8_e4m3fn, **same), grad=CurrentScaling(torch.float8_e5m2, **same),
                           fast_accum=(True, False, False), name="Float8CurrentScaling(fp8_format=HYBRID)")
 
-    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None, reduce_amax=None):
         return self._operand_planes(hp, rowwise, columnwise), state
 
     def requantize_planes(self, usage, hps, currents, amaxes, states):

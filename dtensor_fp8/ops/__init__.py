@@ -4,11 +4,12 @@ registration is a ``@TABLE.implements([...])`` in one of these files, one concep
 
 * ``slicing.py``: block-aligned slice / split / chunk / as_strided / pad / cat, and the shard rule;
 * ``copies.py``: aliases, views, copies and allocation;
+* ``init.py``: ``torch.nn.init``'s in-place ops on a meta-built weight's pending values;
 * ``collectives.py``: DTensor's functional collectives (FP8 bytes on the wire);
 * ``gemm.py``: ``F.linear`` and the tensor-parallel ``mm`` / ``addmm`` (``QuantizedTransposeView``).
 """
 
-from . import collectives, copies, gemm, slicing  # noqa: F401  (each registers its ops)
+from . import collectives, copies, gemm, init, slicing  # noqa: F401  (each registers its ops)
 from .gemm import QuantizedTransposeView
 from .slicing import cat_quantized, check_shardable, chunk_of, shard_boundaries, slice_quantized, zeros_like_quantized
 

@@ -20,8 +20,12 @@ class PlaneBytes(torch.Tensor):
 
 @QUANTIZED_OPS.implements([aten.detach.default, aten.alias.default])
 def _alias(func, args, kwargs):
-    q = args[0]
-    return q.rebuild(transpose=q.transpose_cache)
+    return same_elements(args[0])
+
+
+def same_elements(q: QuantizedTensor) -> QuantizedTensor:
+    """A new tensor over ``q``'s planes, transpose cache and init values (an alias)."""
+    return q.rebuild(transpose=q.transpose_cache, hp_init=q.hp_init, bytes_pending=q.bytes_pending)
 
 
 @QUANTIZED_OPS.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -44,13 +48,14 @@ def _view(func, args, kwargs):
             f"{q.recipe.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "
             "its planes are block-structured matrices. Views keep the logical shape."
         )
-    return q.rebuild(transpose=q.transpose_cache)
+    return same_elements(q)
 
 
 @QUANTIZED_OPS.implements([aten.clone.default])
 def _clone(func, args, kwargs):
     q = args[0]
-    return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()})
+    hp = None if q.hp_init is None else q.hp_init.clone()
+    return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()}, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
 @QUANTIZED_OPS.implements([aten._to_copy.default])
@@ -60,7 +65,10 @@ def _to_copy(func, args, kwargs):
     # A dtype here changes only the nominal dtype: the FP8 bytes are never converted.
     dtype = kwargs.get("dtype") or q.dtype
     planes = {u: p.map(lambda t: t.to(device=device)) for u, p in q.planes.items()}
-    return q.rebuild(planes, dtype=dtype)
+    # Init values awaiting their bytes move with the planes (the user's init runs where they
+    # are); kept ones stay where quantize_module_ put them (off the accelerator).
+    hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
+    return q.rebuild(planes, dtype=dtype, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
 @QUANTIZED_OPS.implements([aten.new_zeros.default, aten.new_empty.default])
@@ -89,6 +97,19 @@ def _check_nominal_dtype(q, dtype, func):
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     dst_planes = dst.planes
+    if dst.bytes_pending and not isinstance(src, QuantizedTensor):
+        # Initialization of a meta-built weight (``weight.copy_(pretrained)``): the values await
+        # their bytes (finish_init_ quantizes them with every other pending weight).
+        dst.hp_init.copy_(src.reshape(dst.shape))
+        return dst
+    if isinstance(src, QuantizedTensor) and src.bytes_pending:
+        # FSDP2 copies a pending shard into its padded shard: the values, not undefined bytes.
+        if dst.hp_init is None:
+            raise RecipeError(f"copy_: {src.recipe.name} source of shape {tuple(src.shape)} holds init values without "
+                              "FP8 bytes; the destination has no room for them (make it with new_zeros/empty_like)")
+        dst.hp_init.copy_(src.hp_init)
+        dst._bytes_pending = True
+        return dst
     if isinstance(src, QuantizedTensor):
         if src.recipe != dst.recipe:
             raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
@@ -100,6 +121,10 @@ def _copy_(func, args, kwargs):
                 )
             plane.data.copy_(src_planes[usage].data)
             plane.scale_inv.copy_(src_planes[usage].scale_inv)
+        if dst.hp_init is not None and src.hp_init is not None:
+            dst.hp_init.copy_(src.hp_init)
+        if dst.param_state is not src.param_state:  # a loaded checkpoint entry: its scaling states too
+            dst.param_state.copy_from_(src.param_state)
     else:
         # High precision into FP8: quantize every plane the destination stores (local amax; a
         # delayed-scaling destination keeps its scale).
@@ -107,6 +132,8 @@ def _copy_(func, args, kwargs):
             fresh, _ = dst.recipe.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
             plane.data.copy_(fresh.data)
             plane.scale_inv.copy_(fresh.scale_inv)
+        if dst.hp_init is not None:  # the masters start from the values copied in
+            dst.hp_init.copy_(src.reshape(dst.shape))
     dst.discard_transpose_cache()
     return dst
 

@@ -97,7 +97,8 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
         planes[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
     shape = list(q.shape)
     shape[dim] = end - start
-    return q.rebuild(planes, shape=shape)
+    hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
+    return q.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
 def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> QuantizedTensor:
@@ -165,13 +166,14 @@ def _as_strided(func, args, kwargs):
             f"{tuple(q.shape)}: only a leading-rows view (FSDP's un-padding) is supported"
         )
     if size[0] == q.shape[0]:  # the whole tensor: the transpose cache still matches
-        return q.rebuild(transpose=q.transpose_cache)
+        return q.rebuild(transpose=q.transpose_cache, hp_init=q.hp_init, bytes_pending=q.bytes_pending)
     return slice_quantized(q, 0, 0, size[0])
 
 
 # ---- padding and concatenation (DTensor's uneven-shard gathers) ------------------------------------------
 def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTensor:
-    """An all-zero QuantizedTensor of ``shape`` with ``q``'s recipe, planes and usages.
+    """An all-zero QuantizedTensor of ``shape`` with ``q``'s recipe, planes and usages (and zero
+    init values where ``q`` keeps them: FSDP2 pads a shard with ``new_zeros`` + ``copy_``).
 
     Example:
         >>> padded = zeros_like_quantized(q, (q.shape[0] + 32, q.shape[1]))
@@ -184,7 +186,10 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTen
             torch.zeros(shape, dtype=plane.data.dtype, device=device),
             torch.zeros(grid, dtype=plane.scale_inv.dtype, device=device),
         )
-    return q.rebuild(planes, shape=shape)
+    hp = None
+    if q.hp_init is not None:
+        hp = torch.zeros(shape, dtype=q.hp_init.dtype, device=device if q.bytes_pending else q.hp_init.device)
+    return q.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
 @QUANTIZED_OPS.implements([aten.constant_pad_nd.default])
@@ -202,6 +207,8 @@ def _constant_pad_nd(func, args, kwargs):
         target = targets[usage]
         _narrow_to(target.data, plane.data.shape).view(torch.uint8).copy_(plane.data.view(torch.uint8))
         _narrow_to(target.scale_inv, plane.scale_inv.shape).copy_(plane.scale_inv)
+    if q.hp_init is not None:
+        _narrow_to(padded.hp_init, q.hp_init.shape).copy_(q.hp_init)
     return padded
 
 
@@ -255,4 +262,9 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
         planes[usage] = Plane(data, scale)
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    return first.rebuild(planes, shape=shape)
+    hp, pending = None, any(t.bytes_pending for t in tensors)
+    if all(t.hp_init is not None for t in tensors):
+        hp = torch.cat([t.hp_init for t in tensors], dim)
+    elif pending:
+        raise RecipeError(f"{first.recipe.name}: cannot concatenate weights whose FP8 bytes are pending with others")
+    return first.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=pending)

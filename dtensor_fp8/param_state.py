@@ -1,0 +1,146 @@
+"""``FP8ParamState``: the one record that owns what an FP8 parameter holds besides its planes.
+
+[Note: who owns an FP8 parameter's state]
+An FP8 parameter is a :class:`~dtensor_fp8.tensor.QuantizedTensor` (a DTensor of one after
+``fully_shard``). What it holds, where each piece is created, freed and saved:
+
+============================  ======================================  ===============================  ==================================
+state                         held by                                 created / freed                  saved
+============================  ======================================  ===============================  ==================================
+recipe                        the tensor (``recipe``)                 at quantization / never          model state dict (recipe config)
+FP8 bytes and scales          the tensor's planes                     at quantization, or at           model state dict (plane tensors)
+                                                                      :func:`finish_init_` for a
+                                                                      meta build / never
+weight scaling state          ``FP8ParamState.weight_scaling``        with the bytes (stateful         optimizer state dict, beside the
+(delayed: amax history,                                               recipes only) / never            master (``<usage>_amax_history``)
+scale, per plane)
+GEMM operand scaling state    ``FP8ParamState.operand_scaling``       with the record (recipes whose   model state dict, in the weight's
+(delayed: activation and                                              FP8 GEMMs keep state) / never    entry (``input_amax_history`` ...)
+gradient amax histories)
+high-precision init values    the local shard (``hp_init``),          by ``quantize_module_`` (meta:   not saved: the masters start
+                              sliced with its planes                  written by the user's init) /    from them (and are saved)
+                                                                      when the optimizer's masters
+                                                                      take them
+per-gather plans and state    ``fsdp.py``'s maps, by local shard      at the first gather / with       not saved (rebuilt from the mesh)
+                                                                      the shard
+the TE view                   ``fsdp.register_unsharded_view``        by ``quantize_te_module_`` /     not saved
+                                                                      with the module
+transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
+                              cache``)                                or by the dgrad GEMM / after
+                                                                      its one use
+============================  ======================================  ===============================  ==================================
+
+One ``FP8ParamState`` per parameter per rank: :func:`dtensor_fp8.quantize` makes it, and every
+tensor derived from that parameter (FSDP's shard, the unsharded weight FSDP gathers, views,
+slices) refers to the same record, so the FP8 GEMMs of a gathered weight update the state its
+checkpoint saves. The optimizer holds masters and its inner optimizer's state; it reads and
+writes the weight scaling state through this record and does not own it.
+
+Operand scaling state is identical on every rank: each GEMM's activation / gradient amax is
+all-reduced (MAX) over the world before it enters the history, as Transformer Engine reduces
+delayed scaling's amaxes over its group by default. That is what lets a checkpoint save one copy
+and load it at any world size, and a resumed run continue bit-identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class FP8ParamState:
+    """The scaling state one FP8 parameter keeps across steps (see the note above).
+
+    Args:
+        weight_scaling: stored plane (``"rowwise"`` / ``"columnwise"``) -> the recipe's weight
+            scaling state (``Recipe.initial_scaling_state``; delayed scaling: ``amax_history``,
+            ``scale``); empty for recipes whose scales are a function of the data.
+        operand_scaling: ``"input"`` / ``"grad"`` -> the scaling state of the FP8 GEMMs'
+            activations / output gradients (``Recipe.operand_state``); empty for recipes without.
+
+    Example:
+        >>> q = dtensor_fp8.quantize(w, dtensor_fp8.DelayedScaling())
+        >>> sorted(q.param_state.weight_scaling["rowwise"])
+        ['amax_history', 'scale']
+    """
+
+    weight_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def weight_state(self, recipe, usage: str, plane) -> dict[str, torch.Tensor] | None:
+        """The weight scaling state of ``usage``'s plane, created from the plane's current scale
+        on first use (``None`` for recipes without one).
+
+        Args:
+            recipe: the weight's recipe.
+            usage: the stored plane.
+            plane: the plane (its device and current scale seed the state).
+        """
+        state = self.weight_scaling.get(usage)
+        if state is None:
+            state = recipe.initial_scaling_state(plane)
+            if state is not None:
+                self.weight_scaling[usage] = state
+        return state
+
+    def ensure_operand_states(self, recipe, device: torch.device) -> dict[str, dict[str, torch.Tensor]]:
+        """The GEMM operand scaling states (``"input"``, ``"grad"``) of a weight of ``recipe``,
+        created on ``device`` on first use and moved there if the weight moved (a state dict asks
+        for them before the first GEMM, so a fresh model is a complete checkpoint template).
+
+        Args:
+            recipe: the weight's recipe.
+            device: where the weight's planes are.
+        """
+        gemm = recipe.gemm_recipe()
+        if gemm is None:
+            return self.operand_scaling
+        for name, operand in (("input", gemm.input), ("grad", gemm.grad)):
+            state = self.operand_scaling.get(name)
+            if state is None:
+                state = operand.operand_state(device)
+                if state is not None:
+                    self.operand_scaling[name] = state
+            elif any(t.device != device for t in state.values()):
+                self.operand_scaling[name] = {k: t.to(device) for k, t in state.items()}
+        return self.operand_scaling
+
+    def reset_(self) -> None:
+        """Forget every state (a meta-built weight's bytes were just made: its states start from them)."""
+        self.weight_scaling.clear()
+        self.operand_scaling.clear()
+
+    def entries(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the record under its state-dict name: ``"<plane>_<field>"`` for the
+        weight scaling state, ``"<operand>_<field>"`` for the operand state.
+
+        Example:
+            >>> sorted(q.param_state.entries())   # delayed scaling
+            ['grad_amax_history', 'grad_scale', 'input_amax_history', 'input_scale', 'rowwise_amax_history', 'rowwise_scale']
+        """
+        out = {}
+        for group in (self.weight_scaling, self.operand_scaling):
+            for owner, state in group.items():
+                for name, value in state.items():
+                    out[f"{owner}_{name}"] = value
+        return out
+
+    def operand_entries(self) -> dict[str, torch.Tensor]:
+        """The operand scaling state's tensors under their state-dict names (``"input_amax_history"``...)."""
+        return {f"{op}_{name}": v for op, state in self.operand_scaling.items() for name, v in state.items()}
+
+    def weight_entries(self) -> dict[str, torch.Tensor]:
+        """The weight scaling state's tensors under their state-dict names (``"rowwise_scale"``...)."""
+        return {f"{usage}_{name}": v for usage, state in self.weight_scaling.items() for name, v in state.items()}
+
+    @torch.no_grad()
+    def copy_from_(self, other: "FP8ParamState") -> None:
+        """Copy ``other``'s values into this record's tensors, in place (their storage is kept:
+        requantization graphs and checkpoint plans refer to it). Entries only one side has are
+        left as they are."""
+        mine, theirs = self.entries(), other.entries()
+        for name, value in theirs.items():
+            if name in mine and mine[name] is not value:
+                mine[name].copy_(value.to(mine[name].device))
