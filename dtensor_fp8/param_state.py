@@ -49,6 +49,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+#: The GEMM operands whose scaling state a record keeps: activations and output gradients.
+OPERANDS = ("input", "grad")
+
+
+def is_operand_state_entry(key: str) -> bool:
+    """Whether a state-dict key (``...weight.input_amax_history``) is an operand scaling state's: an
+    entry a checkpoint written before these were saved lacks (see ``state_dict.py``)."""
+    return key.rsplit(".", 1)[-1].split("_", 1)[0] in OPERANDS
+
+
 @dataclass(eq=False)
 class FP8ParamState:
     """The scaling state one FP8 parameter keeps across steps (see the note above).
@@ -97,7 +107,7 @@ class FP8ParamState:
         gemm = recipe.gemm_recipe()
         if gemm is None:
             return self.operand_scaling
-        for name, operand in (("input", gemm.input), ("grad", gemm.grad)):
+        for name, operand in zip(OPERANDS, (gemm.input, gemm.grad)):
             state = self.operand_scaling.get(name)
             if state is None:
                 state = operand.operand_state(device)
