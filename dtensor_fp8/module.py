@@ -99,20 +99,35 @@ def quantize_module_(
             "\nFix those weights, or leave their layers out with filter_fn=lambda module, fqn: ... (they then stay "
             "in high precision)."
         )
-    converted = [(sub, _fp8_weight(sub.weight.detach(), recipe, keep_hp_init)) for _, sub in targets]
+    converted = [(sub, fp8_parameter_values(sub.weight.detach(), recipe, keep_hp_init)) for _, sub in targets]
     for sub, q in converted:  # nothing can fail from here on
         sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
         register_state_dict_hooks(sub)
     return module
 
 
-def _fp8_weight(weight: torch.Tensor, recipe: Recipe, keep_hp_init: bool) -> QuantizedTensor:
-    """The FP8 parameter for ``weight``: bytes pending on meta (see the note), made now otherwise."""
+def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: bool = True,
+                         dtype: torch.dtype | None = None) -> QuantizedTensor:
+    """The FP8 parameter for a high-precision ``weight``: on the meta device, planes without bytes
+    and room for the init values (see the note); elsewhere quantized now, with a CPU copy of
+    ``weight`` for the masters when ``keep_hp_init``.
+
+    Args:
+        weight: the 2-D weight (meta or materialized).
+        recipe: its recipe.
+        keep_hp_init: keep the high-precision values for the masters (always, on meta).
+        dtype: the nominal dtype on meta (default: ``weight``'s).
+
+    Example:
+        >>> q = fp8_parameter_values(torch.empty(256, 512, device="meta"), dtensor_fp8.MXFP8())
+        >>> q.bytes_pending
+        True
+    """
     shape = tuple(weight.shape)
     if weight.is_meta:
         planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
-        return QuantizedTensor.from_planes(planes, recipe, shape, weight.dtype, hp_init=torch.empty_like(weight),
-                                           bytes_pending=True)
+        hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
+        return QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp, bytes_pending=True)
     q = quantize(weight, recipe)
     return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
 

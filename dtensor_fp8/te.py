@@ -420,15 +420,19 @@ def quantize_te_module_(
         filter_fn: ``(te_module, param_name) -> bool``; only accepted weights are converted.
         keep_hp_init: keep a CPU copy of each high-precision init value for the master weights.
 
+    Modules built on the meta device (with or without TE's ``quantized_model_init``) are
+    converted to FP8 parameters without bytes; ``fully_shard``, ``to_empty`` and TE's own
+    ``reset_parameters()`` then initialize each rank's shard, and the optimizer makes the bytes
+    (``dtensor_fp8.finish_init_``), as for ``quantize_module_``.
+
     Example:
         >>> quantize_te_module_(model, dtensor_fp8.CurrentScaling())
         >>> for layer in model.layers: fully_shard(layer)
     """
     from .fsdp import register_unsharded_view
-    from .module import HP_INIT_ATTR
+    from .module import fp8_parameter_values
     from .state_dict import register_state_dict_hooks
 
-    hp_init = getattr(module, HP_INIT_ATTR, {})
     for fqn, sub in module.named_modules():
         if not _is_te_module(sub):
             continue
@@ -439,25 +443,31 @@ def quantize_te_module_(
             if filter_fn is not None and not filter_fn(sub, pname):
                 continue
             full = f"{fqn}.{pname}" if fqn else pname
-            if _is_te_quantized(p):
+            if _is_te_quantized(p) and not p.is_meta:
                 q = from_te_tensor(p)
                 init = p.get_high_precision_init_val() if hasattr(p, "get_high_precision_init_val") else None
+                if keep_hp_init and init is not None:
+                    q = q.rebuild(hp_init=init.detach().to("cpu", copy=True).reshape(q.shape))
             else:
+                # High precision, or built on the meta device (with or without TE's
+                # quantized_model_init): the bytes come from the values, made now or, on meta, by
+                # finish_init_ after to_empty and reset_parameters() (see module.py's note).
                 if recipe is None:
-                    raise RecipeError(f"quantize_te_module_: {full} is high precision; pass a recipe")
-                if p.is_meta:
-                    raise RecipeError(f"quantize_te_module_: {full} is on the meta device; materialize and init first")
-                from .quantize import quantize
-
-                q = quantize(p.detach(), recipe)
-                init = p.detach()
+                    raise RecipeError(f"quantize_te_module_: {full} has no FP8 bytes to convert (high precision, or "
+                                      "built on the meta device); pass the recipe of your te.autocast")
+                # A TE FP8 parameter on meta is read by its shape and nominal dtype only.
+                values = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if p.is_meta else p.detach()
+                q = fp8_parameter_values(values, recipe, keep_hp_init)
             setattr(sub, pname, nn.Parameter(q, requires_grad=p.requires_grad))
-            if keep_hp_init and init is not None:
-                hp_init[full] = init.detach().to("cpu", copy=True)
             converted = True
         if converted:
+            # TE's reset_parameters() would quantize a primary FP8 weight with its own quantizer;
+            # ours are initialized through their pending values instead (ops/init.py).
+            if getattr(sub, "primary_weights_in_fp8", False) and any(
+                    isinstance(t, QuantizedTensor) and t.bytes_pending for t in sub.parameters(recurse=False)):
+                sub.primary_weights_in_fp8 = False
             register_unsharded_view(sub, FSDP_TE_VIEW)  # FSDP2 gathers of sub's weights give TE tensors
             register_state_dict_hooks(sub)
-    setattr(module, HP_INIT_ATTR, hp_init)
     return module
+
 

@@ -5,9 +5,11 @@
     python examples/train.py --device cuda --world-size 1    # NCCL on a GPU machine
     python examples/train.py --device cuda --world-size 1 --te --recipe blockwise2d   # TE TransformerLayers
 
-What it does on every rank: builds the model on the meta device, materializes and initializes it,
-turns its Linear weights into FP8 parameters (``quantize_module_``), shards every block and the
-root with torch's own ``fully_shard``, trains with FP32 master weights
+What it does on every rank: builds the model on the meta device, turns its Linear weights into FP8
+parameters there (``quantize_module_``), shards every block and the root with torch's own
+``fully_shard``, materializes only this rank's shards (``to_empty``) and initializes them with
+plain ``torch.nn.init`` code; the optimizer makes the FP8 bytes from those values (no rank ever
+holds the whole model). It trains with FP32 master weights
 (``MasterWeightOptimizer``, a ``torch.optim.Optimizer``: AdamW with weight decay on matrices only)
 under a warm-up + cosine LR schedule (``torch.optim.lr_scheduler.LambdaLR``), saves a DCP
 checkpoint halfway through torch's ``get_state_dict`` (model, optimizer, scheduler and step), then
@@ -78,13 +80,13 @@ class Transformer(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def init_weights(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            with torch.no_grad():
-                if p.dim() == 1:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+        """Plain torch init, run on each rank's shards after ``to_empty`` (FP8 weights included)."""
+        torch.manual_seed(seed)
+        for p in self.parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -111,14 +113,14 @@ def batches(vocab: int, batch: int, seq: int, step: int, rank: int, world: int):
 
 
 def build(args, device, mesh, fp8: bool):
-    if args.te:  # TE builds its layers on the device (its init needs real tensors)
+    """The model, built on the meta device, converted and sharded there, then materialized shard by
+    shard (TE layers: built on the device, their init needs real tensors)."""
+    if args.te:
         torch.manual_seed(0)
         model = Transformer(args.vocab, args.dim, args.heads, args.ffn, args.layers, use_te=True).to(device)
     else:
         with torch.device("meta"):
             model = Transformer(args.vocab, args.dim, args.heads, args.ffn, args.layers)
-        model.to_empty(device=device)
-        model.init_weights(seed=0)
     if fp8 and args.te:  # the TE layers' weights; embedding and head stay in high precision
         from dtensor_fp8.te import quantize_te_module_
 
@@ -130,6 +132,9 @@ def build(args, device, mesh, fp8: bool):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if not args.te:
+        model.to_empty(device=device)  # this rank's shards only
+        model.init_weights(seed=0)
     return model
 
 

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("dtensor_fp8.benchmarks.quantize", "quantize GB/s of our recipes vs TE's kernels vs a device copy"),
     "wire": ("dtensor_fp8.benchmarks.fsdp", "FSDP2 all-gather bytes per parameter per step, by recipe vs bf16"),
     "memory": ("dtensor_fp8.benchmarks.fsdp", "per-rank sharded-parameter, master and peak memory, by recipe vs bf16"),
+    "build": ("dtensor_fp8.benchmarks.build", "per-rank peak memory of build + shard + init + optimizer + step: FP8 meta flow vs FP32 FSDP2"),
     "linear_step": ("dtensor_fp8.benchmarks.linear_step", "plain-torch nn.Linear blocks under FSDP2: bf16 vs FP8 params with FP8 GEMMs, ms / peak GiB"),
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),
     "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
