@@ -108,11 +108,13 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             state_dict[key] = plane_entries(p)
             continue
         dtype, masters = export
-        master = masters.get(key)
+        master, q = masters.get(key), local_tensor(p)
         if master is not None:
             state_dict[key] = like(p, local_tensor(master).detach().to(dtype, copy=True))
+        elif q.bytes_pending:  # a meta-built weight before finish_init_: its values are all it has
+            state_dict[key] = like(p, q.hp_init.to(dtype, copy=True))
         else:
-            state_dict[key] = like(p, local_tensor(p).dequantize(dtype))
+            state_dict[key] = like(p, q.dequantize(dtype))
 
 
 def check_saved_recipe(name: str, saved, recipe) -> None:
@@ -235,7 +237,10 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
     Takes what :func:`export_hp_state_dict` gives, or the state dict of the same model without FP8
     (e.g. read from a safetensors file): parameters, persistent buffers and modules' extra state.
     Entries may be full tensors (every rank the same values) or DTensors laid out like the
-    parameters. Blocks that span shards (per-tensor scales) get the global amax.
+    parameters. Blocks that span shards (per-tensor scales) get the global amax. A meta-built
+    weight whose bytes are still pending takes the values as its init (the optimizer, or
+    ``finish_init_``, makes its bytes). To read a sharded checkpoint shard by shard, see
+    :func:`dtensor_fp8.load_hp_checkpoint`.
 
     Args:
         model: the FP8 model (sharded or not).
@@ -264,7 +269,9 @@ def load_hp_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], op
             continue
         local = local_tensor(src) if isinstance(src, DTensor) else local_slice(src, target)
         local = local.to(device=local_tensor(target).device)
-        if isinstance(local_tensor(target), QuantizedTensor):
+        if isinstance(local_tensor(target), QuantizedTensor) and local_tensor(target).bytes_pending:
+            local_tensor(target).hp_init.copy_(local)  # the init values (shared by every alias)
+        elif isinstance(local_tensor(target), QuantizedTensor):
             items.append((name, target, local.float()))
             if name in masters:
                 local_tensor(masters[name]).copy_(local)
