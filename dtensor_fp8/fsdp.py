@@ -253,17 +253,18 @@ def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: in
 
 
 # [Note: where an FSDP2 sharding is refused]
-# A weight FSDP2 cannot gather (block scales of uneven dim-0 shards, shard boundaries inside a
-# block) is refused by its first ``fsdp_pre_all_gather``, which FSDP2 tells the full shape
-# (``outer_size``) and the shard mesh: on every rank alike (each rank checks the same shape and
-# world size), before FSDP2 issues the collective, with a RecipeError naming shape, world size
-# and fix. All directions the weight will be gathered in are checked there, so a forward cannot
-# succeed and the backward then fail. ``fully_shard`` itself gives no frame-free moment to refuse:
-# the one place a shard meets its sharding there is ``FSDPParam.__init__``, which looks the hook up
-# on the new shard before FSDP2 attaches the param group to its state (the registry of
-# ``_compat.fsdp_managed_params`` lists the group only after ``fully_shard``'s param groups are
-# built), and it sets the sharded parameter on the module without ``Module.__setattr__``, so no
-# parameter-registration hook fires either.
+# Shard boundaries inside a block are refused at ``fully_shard`` itself: FSDP2 chunks the weight
+# with ``torch.chunk``, and the op table's split cuts whole blocks only (ops/slicing.py). Block
+# scales of uneven dim-0 shards are a limit of FSDP2's all-gather alone (every input must have the
+# padded shard's shape), not of the tensor op, so they are refused by the weight's first
+# ``fsdp_pre_all_gather``, which FSDP2 tells the full shape (``outer_size``) and the shard mesh: on
+# every rank alike (each checks the same shape and world size), before FSDP2 issues the collective,
+# with a RecipeError naming shape, world size and fix. Every direction the weight will be gathered
+# in is checked there, so a forward cannot succeed and its backward then fail. ``fully_shard``
+# offers no frame-free moment to do it earlier: ``FSDPParam.__init__`` looks the hook up on the new
+# shard before FSDP2 attaches the param group to its state (so the registry of
+# ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
+# parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
 def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
     """The plan for one kind of gather, after checking that every gather of ``q`` is possible."""
     every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
