@@ -266,7 +266,7 @@ def fsdp_managed_params() -> list[FSDPManagedParam]:
 
     Example:
         >>> fully_shard(model[0]); fully_shard(model)
-        >>> [p.module for p in fsdp_managed_params()]   # [model[0], model[2]]: their weights' owners
+        >>> [p.group for p in fsdp_managed_params() if p.module is model[0]]   # fully_shard(model[0])'s group, per parameter
     """
     try:
         from torch.distributed._composable_state import _module_state_mapping
