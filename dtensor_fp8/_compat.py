@@ -212,7 +212,7 @@ def fsdp_group_modules(group) -> tuple[nn.Module, ...]:
 # FSDP passes as ``module`` (``_module_info.module``; ``shared_modules`` for a tied parameter).
 # ``fsdp_param_group_of`` indexes them once and looks the shard up (the module where the shard is
 # a copy, as with CPU offload); the index is rebuilt on a miss (a later ``fully_shard``).
-# Where the groups sit in the state differs between versions (``_fsdp_param_groups`` below).
+# Where the groups sit in the state differs between versions (``_param_groups_of_state`` below).
 # Nothing here reads the call stack: a torch that moves the registry fails loudly, naming itself.
 _GROUP_BY_SHARD = WeakIdMap()  # local shard -> weakref to its FSDPParamGroup
 _GROUPS_BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
@@ -236,15 +236,15 @@ class FSDPManagedParam:
     local_shard: torch.Tensor
 
 
-def _fsdp_param_groups(state) -> list:
+def _param_groups_of_state(state) -> list:
     """The param groups of an ``FSDPState``. torch 2.13, 2.14 and 2.15 keep a list,
     ``_fsdp_param_groups`` (several groups where ``shard_placement_fn`` gives parameters their own
     meshes; the singular ``_fsdp_param_group`` is then a property that raises); torch 2.11 has the
-    one attribute ``_fsdp_param_group`` (``None`` for a module without parameters)."""
-    groups = vars(state).get("_fsdp_param_groups")
-    if groups is not None:
-        return list(groups)
-    group = vars(state).get("_fsdp_param_group")
+    one attribute ``_fsdp_param_group`` (``None`` for a module without parameters). 2.12 was not
+    checked: it takes the 2.11 branch, and a wrong guess fails in fsdp_managed_params, by name."""
+    if TORCH_VERSION >= (2, 13):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
     return [group] if group is not None else []
 
 
@@ -278,13 +278,12 @@ def fsdp_managed_params() -> list[FSDPManagedParam]:
         state = state_ref() if isinstance(state_ref, weakref.ref) else state_ref
         if not isinstance(state, fsdp_state_cls):
             continue  # another composable API's state (e.g. checkpoint), or collected
-        for group in _fsdp_param_groups(state):
-            try:
-                params = group.fsdp_params
+        try:
+            for group in _param_groups_of_state(state):
                 found += [FSDPManagedParam(group, p._module_info.module, tuple(p._module_info.shared_modules),
-                                           p._sharded_local_tensor) for p in params]
-            except AttributeError as e:
-                raise _registry_error(f"an FSDPParamGroup or FSDPParam lacks {e.name!r}") from e
+                                           p._sharded_local_tensor) for p in group.fsdp_params]
+        except AttributeError as e:
+            raise _registry_error(f"an FSDPState, FSDPParamGroup or FSDPParam lacks {e.name!r}") from e
     return found
 
 
@@ -305,7 +304,9 @@ def _group_in_index(shard, module):
         return ref()
     # The hook was handed a copy of the shard (CPU offload moves it to the device first): the owning
     # module decides, where all its parameters are gathered by one group.
-    groups = [g for g in (r() for r in _GROUPS_BY_MODULE.get(module, ())) if g is not None] if module is not None else []
+    if module is None:
+        return None
+    groups = [g for g in (r() for r in _GROUPS_BY_MODULE.get(module, ())) if g is not None]
     return groups[0] if len(groups) == 1 else None
 
 
