@@ -22,6 +22,7 @@ from .formats import (
     RecipeError,
 )
 from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
+from . import settings  # noqa: F401  (the kernel / GEMM switches: dtensor_fp8.settings.override)
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_hp_checkpoint, save_checkpoint
 from .state_dict import export_hp_state_dict, load_hp_state_dict
 from .fsdp import gather_both_usages

@@ -9,7 +9,10 @@ written for both torch versions the project runs (2.11 on the GPU machine, 2.13 
 where the two differ the accessor says how. ``tests/test_compat.py`` calls every accessor on the
 installed torch, so a torch upgrade that moves one fails there, by name, and not deep inside a
 gather. Nothing else in the package imports a private torch module or reads a private attribute
-of a torch object (``tests/test_structure.py`` checks the imports).
+of a torch object (``tests/test_structure.py`` checks the imports). The FSDP2 accessors name the
+versions whose sources they were checked against (2.14 and 2.15 too). Nothing here, or anywhere in
+the package, inspects the call stack (frames, their locals): FSDP2's objects are found through its
+own registry, and ``tests/test_structure.py`` refuses ``sys._getframe`` and the like.
 
 Not counted as private here: the tensor-subclass protocol (``torch.Tensor._make_wrapper_subclass``,
 ``torch._C._disabled_torch_function_impl``, ``torch.utils._pytree``,
@@ -20,13 +23,14 @@ public in all but name.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import inspect
-import sys
 import weakref
 
 import torch
 from torch import nn
+
+from .weak_id_map import WeakIdMap
 
 #: ``(major, minor)`` of the running torch.
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -173,13 +177,14 @@ def _fsdp_classes():
 
 
 def fsdp_param_group_class() -> type:
-    """``FSDPParamGroup`` (``_fully_shard/_fsdp_param_group.py``, both versions)."""
+    """``FSDPParamGroup`` (``_fully_shard/_fsdp_param_group.py``; torch 2.11, 2.13, 2.14, 2.15)."""
     return _fsdp_classes()[0]
 
 
 def fsdp_group_in_backward(group) -> bool:
     """Whether an ``FSDPParamGroup`` is in its backward (``_training_state`` PRE_BACKWARD or
-    POST_BACKWARD; prefetched backward gathers are issued in PRE_BACKWARD). Both versions."""
+    POST_BACKWARD; prefetched backward gathers are issued in PRE_BACKWARD). torch 2.11, 2.13,
+    2.14, 2.15."""
     training_state = _fsdp_classes()[1]
     return group._training_state in (training_state.PRE_BACKWARD, training_state.POST_BACKWARD)
 
@@ -187,112 +192,146 @@ def fsdp_group_in_backward(group) -> bool:
 def fsdp_group_reshards_after_forward(group) -> bool:
     """Whether an ``FSDPParamGroup`` frees its unsharded parameters after forward, so that a
     backward all-gather follows (``post_forward_mesh_info`` set; FSDP clears it for a root
-    that keeps its parameters, both versions)."""
+    that keeps its parameters; torch 2.11, 2.13, 2.14, 2.15)."""
     return group.post_forward_mesh_info is not None
 
 
 def fsdp_group_modules(group) -> tuple[nn.Module, ...]:
-    """The modules ``fully_shard`` was applied to for this group (``FSDPParamGroup.modules``)."""
+    """The modules ``fully_shard`` was applied to for this group (``FSDPParamGroup.modules``;
+    torch 2.11, 2.13, 2.14, 2.15)."""
     return tuple(getattr(group, "modules", ()))
 
 
 # [Note: finding the FSDPParamGroup of a gather]
 # ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)`` is not told which
-# FSDPParamGroup gathers; ``module`` is the parameter's owning module (a Linear inside the
-# fully_shard'ed block, say). FSDP2 registers each fully_shard'ed module's ``FSDPState`` in the
-# composable-API registry ``torch.distributed._composable_state._module_state_mapping`` (a weak
-# map module -> state, in 2.11 and 2.13 alike), and the state's ``_fsdp_param_group`` lists its
-# ``FSDPParam``s, each with the owning module (``_module_info.module``, and ``shared_modules`` for
-# a tied parameter). ``fsdp_param_group_of`` indexes those once and looks ``module`` up; the
-# index is rebuilt when a module is missing (a later ``fully_shard``). The call-stack walk
-# (``FSDPParamGroup.unshard`` -> ``foreach_all_gather`` -> ``FSDPParam.all_gather_inputs`` ->
-# the hook, in both versions) is kept as the fallback should a torch version move the registry.
-_GROUP_INDEX: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+# FSDPParamGroup gathers. FSDP2 registers each fully_shard'ed module's ``FSDPState`` in the
+# composable-API registry ``torch.distributed._composable_state._module_state_mapping`` (a weak map
+# module -> weakref to its state); a state holds its param groups, and each group's
+# ``fsdp_params`` are the ``FSDPParam``s it gathers: the local shard FSDP hands the hook
+# (``_sharded_local_tensor``, the sharded DTensor parameter's local tensor), the owning module
+# FSDP passes as ``module`` (``_module_info.module``; ``shared_modules`` for a tied parameter).
+# ``fsdp_param_group_of`` indexes them once and looks the shard up (the module where the shard is
+# a copy, as with CPU offload); the index is rebuilt on a miss (a later ``fully_shard``).
+# Where the groups sit in the state differs between versions (``_param_groups_of_state`` below).
+# Nothing here reads the call stack: a torch that moves the registry fails loudly, naming itself.
+_GROUP_BY_SHARD = WeakIdMap()  # local shard -> weakref to its FSDPParamGroup
+_GROUPS_BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FSDPManagedParam:
+    """One parameter under ``fully_shard`` (an ``FSDPParam``), as the FSDP2 extension reads it.
+
+    Attributes:
+        group: the ``FSDPParamGroup`` whose all-gathers move it.
+        module: its owning module (the ``module`` FSDP2 passes to ``fsdp_pre_all_gather``).
+        shared_modules: further modules holding the same parameter (tied weights).
+        local_shard: this rank's local tensor of the sharded parameter, whose
+            ``fsdp_pre_all_gather`` FSDP2 calls.
+    """
+
+    group: object
+    module: nn.Module
+    shared_modules: tuple[nn.Module, ...]
+    local_shard: torch.Tensor
+
+
+def _param_groups_of_state(state) -> list:
+    """The param groups of an ``FSDPState``. torch 2.13, 2.14 and 2.15 keep a list,
+    ``_fsdp_param_groups`` (several groups where ``shard_placement_fn`` gives parameters their own
+    meshes; the singular ``_fsdp_param_group`` is then a property that raises); torch 2.11 has the
+    one attribute ``_fsdp_param_group`` (``None`` for a module without parameters). 2.12 was not
+    checked: it takes the 2.11 branch, and a wrong guess fails in fsdp_managed_params, by name."""
+    if TORCH_VERSION >= (2, 13):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
+def _registry_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"dtensor_fp8 cannot read FSDP2's state on torch {torch.__version__}: {what}. dtensor_fp8/_compat.py "
+        "reads it as torch 2.11, 2.13, 2.14 and 2.15 lay it out (torch.distributed._composable_state."
+        "_module_state_mapping -> FSDPState -> FSDPParamGroup.fsdp_params); use one of those versions, or "
+        "update _compat.fsdp_managed_params for this one.")
+
+
+def fsdp_managed_params() -> list[FSDPManagedParam]:
+    """Every parameter of every live ``fully_shard`` state, read from FSDP2's module-state registry
+    (see the note above). Checked against torch 2.11, 2.13, 2.14 and 2.15.
+
+    Raises:
+        RuntimeError: naming the torch version, where the registry or FSDP2's state is not laid
+            out as in those versions.
+
+    Example:
+        >>> fully_shard(model[0]); fully_shard(model)
+        >>> [p.group for p in fsdp_managed_params() if p.module is model[0]]   # fully_shard(model[0])'s group, per parameter
+    """
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError as e:
+        raise _registry_error(f"no module-state registry ({e})") from e
+    fsdp_state_cls = _fsdp_classes()[2]
+    found = []
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref() if isinstance(state_ref, weakref.ref) else state_ref
+        if not isinstance(state, fsdp_state_cls):
+            continue  # another composable API's state (e.g. checkpoint), or collected
+        try:
+            for group in _param_groups_of_state(state):
+                found += [FSDPManagedParam(group, p._module_info.module, tuple(p._module_info.shared_modules),
+                                           p._sharded_local_tensor) for p in group.fsdp_params]
+        except AttributeError as e:
+            raise _registry_error(f"an FSDPState, FSDPParamGroup or FSDPParam lacks {e.name!r}") from e
+    return found
 
 
 def _index_fsdp_groups() -> None:
-    from torch.distributed._composable_state import _module_state_mapping
-
-    fsdp_state_cls = _fsdp_classes()[2]
-    for state_ref in list(_module_state_mapping.values()):
-        state = state_ref()
-        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, fsdp_state_cls) else None
-        if group is None:
-            continue
-        for fsdp_param in group.fsdp_params:
-            info = fsdp_param._module_info
-            for owner in (info.module, *info.shared_modules):
-                _GROUP_INDEX[owner] = weakref.ref(group)
+    _GROUPS_BY_MODULE.clear()
+    for p in fsdp_managed_params():
+        ref = weakref.ref(p.group)
+        _GROUP_BY_SHARD[p.local_shard] = ref
+        for owner in (p.module, *p.shared_modules):
+            refs = _GROUPS_BY_MODULE.setdefault(owner, [])
+            if all(r() is not p.group for r in refs):
+                refs.append(ref)
 
 
-def fsdp_param_group_of(module: nn.Module | None):
-    """The ``FSDPParamGroup`` that gathers the parameters of ``module`` (their owning module), from
-    FSDP2's module-state registry; ``None`` if no fully_shard manages them.
+def _group_in_index(shard, module):
+    ref = _GROUP_BY_SHARD.get(shard) if shard is not None else None
+    if ref is not None and ref() is not None:
+        return ref()
+    # The hook was handed a copy of the shard (CPU offload moves it to the device first): the owning
+    # module decides, where all its parameters are gathered by one group.
+    if module is None:
+        return None
+    groups = [g for g in (r() for r in _GROUPS_BY_MODULE.get(module, ())) if g is not None]
+    return groups[0] if len(groups) == 1 else None
+
+
+def fsdp_param_group_of(module: nn.Module | None, shard: torch.Tensor | None = None):
+    """The ``FSDPParamGroup`` that gathers ``shard`` (a local tensor FSDP2 hands
+    ``fsdp_pre_all_gather``), else the one gathering the parameters of ``module`` (their owning
+    module) where one group gathers them all; ``None`` if no ``fully_shard`` manages them. Read
+    from FSDP2's module-state registry (:func:`fsdp_managed_params`), never from the call stack.
+    Checked against torch 2.11, 2.13, 2.14 and 2.15.
 
     Args:
         module: the module a parameter belongs to (FSDP's ``module`` argument to the hooks).
+        shard: the local shard itself (FSDP's ``self`` of the hook): exact where a module's
+            parameters are split over groups of different meshes (``shard_placement_fn``).
 
     Example:
         >>> fsdp_param_group_of(block.attn.q_proj)   # the group of fully_shard(block)
     """
-    if module is None:
+    if module is None and shard is None:
         return None
-    for rebuild in (False, True):
-        if rebuild:
-            _index_fsdp_groups()
-        ref = _GROUP_INDEX.get(module)
-        group = ref() if ref is not None else None
-        if group is not None:
-            return group
-    return None
-
-
-@functools.cache
-def _group_method_codes() -> frozenset:
-    methods = [f for f in vars(fsdp_param_group_class()).values() if inspect.isfunction(f)]
-    # Some methods are decorated (e.g. to disable dynamo): their frames run the wrapped function.
-    return frozenset(g.__code__ for f in methods for g in (f, inspect.unwrap(f)))
-
-
-@functools.cache
-def _fsdp_param_init_extensions_code():
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    return inspect.unwrap(FSDPParam._init_extensions).__code__
-
-
-def fsdp_param_initializing(frame) -> tuple[tuple[int, ...], int] | None:
-    """``(full shape, shard world size)`` of the parameter FSDP2 is setting up when ``frame`` is
-    ``FSDPParam._init_extensions`` (which looks up ``fsdp_pre_all_gather`` on the new local shard,
-    in torch 2.11 and 2.13: the one moment during ``fully_shard`` a shard is told its sharding),
-    else ``None``. Cheap when it is not: one code-object comparison.
-
-    Example:
-        >>> fsdp_param_initializing(sys._getframe(1))   # inside a descriptor's __get__
-    """
-    if frame is None or frame.f_code is not _fsdp_param_init_extensions_code():
-        return None
-    owner = frame.f_locals.get("self")
-    return tuple(owner._orig_size), owner.mesh_info.shard_mesh_size
-
-
-def fsdp_param_group_on_stack(max_depth: int = 16):
-    """Fallback of :func:`fsdp_param_group_of`: the ``FSDPParamGroup`` whose method is on the call
-    stack (``unshard`` or, on one rank, ``wait_for_unshard``), or ``None``."""
-    group_cls, codes = fsdp_param_group_class(), _group_method_codes()
-    # Frames of FSDPParamGroup's methods first (reading ``f_locals`` copies a frame's locals on
-    # Python < 3.13), then, should another torch version wrap them differently, every frame.
-    for only_group_methods in (True, False):
-        frame = sys._getframe(1)
-        for _ in range(max_depth):
-            if frame is None:
-                break
-            if not only_group_methods or frame.f_code in codes:
-                owner = frame.f_locals.get("self")
-                if isinstance(owner, group_cls):
-                    return owner
-            frame = frame.f_back
-    return None
+    group = _group_in_index(shard, module)
+    if group is None:  # a shard or module not seen yet: FSDP2's state as it is now
+        _index_fsdp_groups()
+        group = _group_in_index(shard, module)
+    return group
 
 
 def checkpoint_wrapper_class() -> type:

@@ -45,11 +45,11 @@ itself (the "transpose cache"), and dropped after use, so it never outlives the 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-import sys
 import weakref
-from typing import Callable, NamedTuple
+from typing import Protocol
 
 import torch
 
@@ -66,7 +66,7 @@ aten = torch.ops.aten
 # [Note: per-gather state]
 # A gather's bookkeeping is kept here, in weak maps keyed by the object it describes, never on the
 # tensors (a QuantizedTensor has exactly the fields tensor.py declares) or on FSDP's objects:
-#: local shard -> {(mesh, outer size, usages, module): [plan, last (inputs, metadata), planes they view]}
+#: local shard -> {(mesh, outer size, usages, module): _PlanEntry}
 _GATHER_PLANS = WeakIdMap()
 #: local shard -> {(mesh, module): weakref to the FSDPParamGroup gathering it}
 _PARAM_GROUPS = WeakIdMap()
@@ -74,26 +74,48 @@ _PARAM_GROUPS = WeakIdMap()
 _SHARED_SCALES = WeakIdMap()
 #: FSDPParamGroup -> whether its gathers carry both planes (checkpointing or compile under it; found once)
 _GATHERS_BOTH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: owning module -> the function that turns its gathered planes into the unsharded parameter
+#: owning module -> the UnshardedView that turns its gathered planes into the unsharded parameter
 #: (see register_unsharded_view; te.py registers TE's tensor classes this way)
-_UNSHARDED_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
+_UNSHARDED_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, UnshardedView]" = weakref.WeakKeyDictionary()
 
 
-def register_unsharded_view(module: torch.nn.Module, view: Callable) -> None:
-    """Make FSDP2 gathers of ``module``'s FP8 parameters return ``view(...)`` as the unsharded
-    parameter instead of a :class:`QuantizedTensor` (the TE adapter's hook: ``te.py`` registers
-    TE tensors over the gathered buffers for TE modules).
+class UnshardedView(Protocol):
+    """What FSDP2 gathers of a module's FP8 weights hand out as the unsharded parameter, where that
+    is not a :class:`QuantizedTensor` (registered with :func:`register_unsharded_view`; ``te.py``'s
+    ``TEUnshardedView`` builds TE tensors that TE's GEMMs read). ``fsdp_post_all_gather`` calls it.
 
-    ``view(planes, recipe, shape, param_dtype, usages, out, orig_rows)`` is called by
-    ``fsdp_post_all_gather``: on the first gather (``out=None``) it returns
-    ``(tensor, inner_tensors_to_free)``; on later ones it updates ``out`` in place.
+    Every method follows FSDP2's post-all-gather contract: at the first gather (``out is None``) it
+    returns ``(tensor, inner_tensors_to_free)``; at later ones it updates ``out`` (the same object,
+    a DTensor over the tp mesh under tensor parallelism) in place and returns ``None``.
+    """
+
+    def __call__(self, planes: dict[str, Plane], recipe, shape: tuple[int, int], dtype: torch.dtype,
+                 usages: tuple[str, ...], out, orig_rows: int):
+        """A gather over several ranks: the unsharded parameter over the gathered ``planes``
+        (views of FSDP's all-gather buffers) of a weight of the padded ``shape`` (``orig_rows``:
+        its rows before padding), serving ``usages``, of nominal ``dtype``."""
+
+    def views_shard(self, shard: QuantizedTensor) -> bool:
+        """Whether a one-rank gather of ``shard`` can hand out a view of the shard itself (then
+        nothing is sent and :meth:`from_shard` is called instead of the view). The same answer
+        for both directions: FSDP sizes its all-gather outputs once per weight."""
+
+    def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+        """A one-rank gather where :meth:`views_shard` said so: the unsharded parameter over
+        ``shard``'s own planes, serving ``usages``."""
+
+
+def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> None:
+    """Make FSDP2 gathers of ``module``'s FP8 parameters hand out what ``view`` builds as the
+    unsharded parameter instead of a :class:`QuantizedTensor` (the TE adapter's hook: ``te.py``
+    registers TE tensors over the gathered buffers for TE modules).
 
     Args:
         module: the module owning the parameters.
-        view: the function described above.
+        view: an :class:`UnshardedView`.
 
     Example:
-        >>> register_unsharded_view(te_linear, fsdp_te_view)
+        >>> register_unsharded_view(te_linear, dtensor_fp8.te.FSDP_TE_VIEW)
     """
     _UNSHARDED_VIEWS[module] = view
 
@@ -173,7 +195,8 @@ def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
     return q.recipe.block_shape(usage).extent(0) is not None
 
 
-class _GatherMetadata(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _GatherMetadata:
     """What ``fsdp_post_all_gather`` needs to rebuild the planes from FSDP's output buffers."""
 
     usages: tuple[str, ...]  # usages the gathered tensor serves
@@ -181,15 +204,16 @@ class _GatherMetadata(NamedTuple):
     shared_scales: dict  # per-tensor scales: identical on every rank, not sent
     padded_rows: int  # rows of each rank's (padded) shard
     world: int
-    packed_layout: list | None  # one-rank packing of all parts into one input (see below)
-    te_view: Callable | None  # TE adapter hook of the owning module (te.py)
+    view: UnshardedView | None  # the owning module's registered view (te.py), or None: a QuantizedTensor
     orig_rows: int  # rows of the unpadded full weight
     cols: int  # columns of the weight (shards split rows only)
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
+    packed_layout: list | None = None  # one-rank packing of all parts into one input (see below)
     shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
 
 
-class _GatherPlan(NamedTuple):
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _GatherPlan:
     """What one kind of gather of one weight sends; the same every step, so computed once."""
 
     world: int
@@ -198,14 +222,23 @@ class _GatherPlan(NamedTuple):
     pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
     sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
     scale_slot: int  # numel of every scale input (see _scale_slot_numel)
-    te_view: Callable | None  # TE adapter hook of the owning module (te.py), or None
+    view: UnshardedView | None  # the owning module's registered view (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool  # one rank (TE modules: if the TE hook can view the shard itself, te.py ``views_shard``)
+    shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _PlanEntry:
+    """A gather's plan, and the last inputs it handed out while they can be handed out again."""
+
+    plan: _GatherPlan
+    last: tuple | None = None  # (inputs, metadata) of the last gather, reusable while the planes are the same
+    last_planes: tuple | None = None  # the plane tensors (QuantizedTensor.plane_tensors) those inputs view
 
 
 def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
     """Raise a :class:`RecipeError` with the fix unless FSDP2 can gather ``usages`` of a weight of
-    ``outer_size`` sharded over ``world`` ranks; returns the planes such a gather sends."""
+    ``outer_size`` sharded over ``world`` ranks."""
     stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     check_shardable(outer_size, q.recipe, 0, world, usages)
     if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
@@ -217,45 +250,68 @@ def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: in
             f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
             f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
         )
-    return stored
 
 
+# [Note: where an FSDP2 sharding is refused]
+# Shard boundaries inside a block are refused at ``fully_shard`` itself: FSDP2 chunks the weight
+# with ``torch.chunk``, and the op table's split cuts whole blocks only (ops/slicing.py). Block
+# scales of uneven dim-0 shards are a limit of FSDP2's all-gather alone (every input must have the
+# padded shard's shape), not of the tensor op, so they are refused by the weight's first
+# ``fsdp_pre_all_gather``, which FSDP2 tells the full shape (``outer_size``) and the shard mesh: on
+# every rank alike (each checks the same shape and world size), before FSDP2 issues the collective,
+# with a RecipeError naming shape, world size and fix. Every direction the weight will be gathered
+# in is checked there, so a forward cannot succeed and its backward then fail. ``fully_shard``
+# offers no frame-free moment to do it earlier: ``FSDPParam.__init__`` looks the hook up on the new
+# shard before FSDP2 attaches the param group to its state (so the registry of
+# ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
+# parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
 def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
-    """The plan for one kind of gather, after checking it is possible."""
-    stored = _check_gatherable(q, outer_size, world, usages)
+    """The plan for one kind of gather, after checking that every gather of ``q`` is possible."""
+    every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
+    _check_gatherable(q, outer_size, world, every_usage)
+    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     padded_rows = -(-outer_size[0] // world)
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    # The unsharded-view hook of the owning module (register_unsharded_view; TE modules via te.py).
-    te_view = _UNSHARDED_VIEWS.get(module) if module is not None else None
+    # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
+    view = _UNSHARDED_VIEWS.get(module) if module is not None else None
     planes = q.planes
     fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
     # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
-    shard_view = world == 1 and (te_view is None or te_view.views_shard(q))
-    return _GatherPlan(world, stored, padded_rows, padded_rows - q.shape[0], sent_scales,
-                       _scale_slot_numel(q, padded_rows), te_view, fp8_dtypes, shard_view)
+    shard_view = world == 1 and (view is None or view.views_shard(q))
+    return _GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
+                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows), view=view,
+                       fp8_dtypes=fp8_dtypes, shard_view=shard_view)
 
 
 def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
     """One rank (``_GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
     nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
-    (:func:`_view_of_shard`, or for TE modules te.py's ``TEUnshardedView.from_shard``)."""
+    (:func:`_view_of_shard`, or the registered view's ``from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
-    return (empty,), _GatherMetadata(usages, (), {}, plan.padded_rows, 1, None, plan.te_view, outer_size[0],
-                                     outer_size[1], (), True)
+    metadata = _GatherMetadata(usages=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
+                               view=plan.view, orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=(),
+                               shard_view=True)
+    return (empty,), metadata
 
 
 def _param_group_of(q: QuantizedTensor, mesh, module):
-    """The FSDPParamGroup gathering ``q``: from FSDP2's module state (see the note in _compat.py),
-    else from the call stack; found once per (mesh, module) and kept (a parameter's group is
-    fixed when ``fully_shard`` runs)."""
+    """The FSDPParamGroup gathering ``q``, from FSDP2's own state (see the note in _compat.py);
+    found once per (mesh, module) and kept (a parameter's group is fixed when ``fully_shard``
+    runs). FSDP2 calls the hook only for parameters it manages, so not finding it means this
+    torch keeps its state where _compat.py does not look: that is an error, not a guess."""
     groups = _PARAM_GROUPS.get_or_create(q, dict)
     key = (id(mesh), id(module))
     ref = groups.get(key)
     group = ref() if ref is not None else None
     if group is None:
-        group = _compat.fsdp_param_group_of(module) or _compat.fsdp_param_group_on_stack()
-        if group is not None:
-            groups[key] = weakref.ref(group)
+        group = _compat.fsdp_param_group_of(module, q)
+        if group is None:
+            raise RuntimeError(
+                f"dtensor_fp8: FSDP2 is all-gathering an FP8 parameter of a {type(module).__name__}, but no "
+                f"FSDP2 state in torch {torch.__version__}'s module-state registry lists it. dtensor_fp8/_compat.py "
+                "reads FSDP2's state as torch 2.11, 2.13, 2.14 and 2.15 lay it out: use one of those versions, "
+                "or update _compat.fsdp_managed_params for this one.")
+        groups[key] = weakref.ref(group)
     return group
 
 
@@ -268,45 +324,44 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
-        # [plan, the last (inputs, metadata) if they can be handed out again, the plane tensors they view]
-        entry = plans[key] = [_gather_plan(self, key[1], mesh.size(), usages, module), None, None]
-        if entry[0].shard_view:  # the same (empty) input every time, whatever the planes hold
-            entry[1] = _shard_view_gather(self, entry[0], usages, key[1])
-    plan, last, last_planes = entry
-    if last is not None and (plan.shard_view or self.holds(last_planes)):
+        entry = plans[key] = _PlanEntry(_gather_plan(self, key[1], mesh.size(), usages, module))
+        if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
+            entry.last = _shard_view_gather(self, entry.plan, usages, key[1])
+    plan = entry.plan
+    if entry.last is not None and (plan.shard_view or self.holds(entry.last_planes)):
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
-        return last
-    world, stored, padded_rows, pad_rows, sent_scales, slot, te_view, fp8_dtypes, _ = plan
+        return entry.last
     local = self
-    if pad_rows:  # short last shard: pad to the padded shard size
-        local = aten.constant_pad_nd.default(local, [0, 0, 0, pad_rows])
+    if plan.pad_rows:  # short last shard: pad to the padded shard size
+        local = aten.constant_pad_nd.default(local, [0, 0, 0, plan.pad_rows])
     inputs, shared_scales = [], {}
     local_planes = local.planes
-    for usage in stored:
+    for usage in plan.stored:
         plane = local_planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
-        if usage in sent_scales:
+        if usage in plan.sent_scales:
             scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
-            padded = scale.new_zeros(slot)
+            padded = scale.new_zeros(plan.scale_slot)
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
             # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
             shared_scales[usage] = plane.scale_inv
-    metadata = _GatherMetadata(usages, stored, shared_scales, padded_rows, world, None, te_view, outer_size[0],
-                               outer_size[1], fp8_dtypes)
-    if world == 1 and len(inputs) > 1:
+    metadata = _GatherMetadata(usages=usages, stored=plan.stored, shared_scales=shared_scales,
+                               padded_rows=plan.padded_rows, world=plan.world, view=plan.view,
+                               orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=plan.fp8_dtypes)
+    if plan.world == 1 and len(inputs) > 1:
         # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
         # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
         layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
         packed = torch.cat([_pad_bytes(t) for t in inputs])
-        return (packed,), metadata._replace(packed_layout=layout)
+        return (packed,), dataclasses.replace(metadata, packed_layout=layout)
     result = tuple(inputs), metadata
-    if not pad_rows and not sent_scales and all(
-            t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(stored, inputs, strict=True)):
+    if not plan.pad_rows and not plan.sent_scales and all(
+            t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(plan.stored, inputs, strict=True)):
         # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
-        entry[1], entry[2] = result, self.plane_tensors()
+        entry.last, entry.last_planes = result, self.plane_tensors()
     return result
 
 
@@ -373,19 +428,20 @@ def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch
     return (view, ()) if out is None else None
 
 
-def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, *, out=None):
+def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetadata, param_dtype, *, out=None):
+    usages = metadata.usages
     if metadata.shard_view:  # one rank: the unsharded parameter views this shard
-        if metadata.te_view is not None:
-            return metadata.te_view.from_shard(self, metadata.usages, param_dtype, out)
-        return _view_of_shard(self, metadata.usages, param_dtype, out)
-    usages, stored, shared_scales, padded_rows, world, packed_layout, te_view, orig_rows, k, fp8_dtypes, _ = metadata
-    if packed_layout is not None:
-        outputs = _unpack(outputs[0], packed_layout)
+        if metadata.view is not None:
+            return metadata.view.from_shard(self, usages, param_dtype, out)
+        return _view_of_shard(self, usages, param_dtype, out)
+    if metadata.packed_layout is not None:
+        outputs = _unpack(outputs[0], metadata.packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
     out_local = _compat.dtensor_local(out) if out is not None else None
+    padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
     planes, i = {}, 0
-    for usage, fp8_dtype in zip(stored, fp8_dtypes):
+    for usage, fp8_dtype in zip(metadata.stored, metadata.fp8_dtypes, strict=True):
         data = outputs[i].view(full_rows, k).view(fp8_dtype)
         i += 1
         if usage not in shared_scales:
@@ -400,8 +456,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata, param_dtype, 
         else:
             scale = _shared_scale(out_local, usage, shared_scales[usage])
         planes[usage] = Plane(data, scale)
-    if te_view is not None:  # the unsharded parameter is a TE tensor over these buffers (te.py)
-        result = te_view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, orig_rows)
+    if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
+        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, metadata.orig_rows)
         _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
         return result
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
@@ -441,16 +497,12 @@ class _BoundPreAllGather:
 
 
 class _PreAllGatherHook:
-    """Descriptor: ``QuantizedTensor().fsdp_pre_all_gather`` is a :class:`_BoundPreAllGather`."""
+    """Descriptor: ``QuantizedTensor().fsdp_pre_all_gather`` is a :class:`_BoundPreAllGather`
+    (the sharding is checked at the first gather: see "where an FSDP2 sharding is refused")."""
 
     def __get__(self, tensor, owner=None):
         if tensor is None:
             return fsdp_pre_all_gather
-        # ``fully_shard`` looks the hook up once per parameter as it shards it: refuse a sharding no
-        # gather could move there, not at the first forward.
-        sharding = _compat.fsdp_param_initializing(sys._getframe(1))
-        if sharding is not None:
-            _check_gatherable(tensor, sharding[0], sharding[1], tensor.usages)
         return _BoundPreAllGather(tensor)
 
 

@@ -35,34 +35,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from . import _compat, settings
 from .formats.base import COLUMNWISE, ROWWISE, BlockShape, Plane, transpose_2d
 from .formats.scaled_mm import gemm_block, layout_for, unsupported_pair
 
 #: ``auto``: FP8 GEMMs on CUDA where torch has them; ``on``: also on the CPU (where torch's kernel
 #: runs: tensorwise); ``off``: always the emulated linear.
-MODES = ("auto", "on", "off")
-ENV_SWITCH = "DTENSOR_FP8_GEMMS"
-_mode_stack: list[str] = []
+MODES = settings.FP8_GEMM_MODES
+ENV_SWITCH = settings.FP8_GEMMS_VAR
 _warned: set[str] = set()
 _recorders: list[list] = []
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def mode() -> str:
-    """The FP8-GEMM mode in force: the innermost :func:`fp8_gemms`, else ``$DTENSOR_FP8_GEMMS``,
-    else ``"auto"``."""
-    m = _mode_stack[-1] if _mode_stack else os.environ.get(ENV_SWITCH, "auto")
-    if m not in MODES:
-        raise ValueError(f"{ENV_SWITCH}={m!r}: must be one of {MODES}")
-    return m
+    """The FP8-GEMM mode in force: the innermost :func:`fp8_gemms` (or ``settings.override``),
+    else ``$DTENSOR_FP8_GEMMS`` as read once by :mod:`dtensor_fp8.settings`, else ``"auto"``."""
+    return settings.current().fp8_gemms
 
 
 @contextlib.contextmanager
@@ -79,11 +74,8 @@ def fp8_gemms(m: str = "on"):
     """
     if m not in MODES:
         raise ValueError(f"fp8_gemms: mode must be one of {MODES}, got {m!r}")
-    _mode_stack.append(m)
-    try:
+    with settings.override(fp8_gemms=m):
         yield
-    finally:
-        _mode_stack.pop()
 
 
 @contextlib.contextmanager

@@ -59,6 +59,7 @@ from .formats import RECIPES
 from .formats import te_import
 from .formats.base import COLUMNWISE, ROWWISE, Recipe, RecipeError, as_matrix_shape
 from .formats.te_binding import SCALE_INV, TEBinding, te_quantizer, te_recipe_for
+from .fsdp import UnshardedView, register_unsharded_view
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -285,10 +286,10 @@ def from_te_tensor(t, *, dtype: torch.dtype | None = None) -> QuantizedTensor:
 
 
 # ---- FSDP2's unsharded parameter of a TE module ------------------------------------------------------
-class TEUnshardedView:
+class TEUnshardedView(UnshardedView):
     """Builds and re-points the TE tensor FSDP2 uses as the unsharded parameter of a marked TE
-    module's FP8 weight (see the note at the top). ``fsdp.py`` calls it; one instance,
-    :data:`FSDP_TE_VIEW`, serves every module."""
+    module's FP8 weight (see the note at the top): ``fsdp.py``'s :class:`~dtensor_fp8.fsdp.UnshardedView`
+    for TE modules. ``fsdp.py`` calls it; one instance, :data:`FSDP_TE_VIEW`, serves every module."""
 
     def views_shard(self, shard: QuantizedTensor) -> bool:
         """Whether one-rank gathers of ``shard`` can hand TE views of the shard itself (no
@@ -429,7 +430,6 @@ def quantize_te_module_(
         >>> quantize_te_module_(model, dtensor_fp8.CurrentScaling())
         >>> for layer in model.layers: fully_shard(layer)
     """
-    from .fsdp import register_unsharded_view
     from .module import fp8_parameter_values
     from .state_dict import register_state_dict_hooks
 

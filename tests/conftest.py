@@ -8,7 +8,9 @@ from pathlib import Path
 # (which plane a gather delivered, bit-exact training across world sizes). On CUDA (the NCCL runs
 # of the same suites) F.linear would run FP8 GEMMs that also quantize activations and gradients;
 # keep the emulated linear unless a run asks otherwise. Tests of the FP8 GEMMs opt in with
-# dtensor_fp8.gemm.fp8_gemms() (tests/test_gemm.py, tests/gpu/test_gemm_gpu.py).
+# dtensor_fp8.gemm.fp8_gemms() (tests/test_gemm.py, tests/gpu/test_gemm_gpu.py). dtensor_fp8.settings
+# reads the variable once, at its first use, so after this line (tests/test_settings.py checks it);
+# rank processes inherit it.
 os.environ.setdefault("DTENSOR_FP8_GEMMS", "off")
 
 import pytest

@@ -183,24 +183,37 @@ def _distributed_accessors():
     gathered = gathered.wait() if hasattr(gathered, "wait") else gathered
     out["all_gather_single"] = torch.equal(gathered.cpu(), torch.arange(world).float().repeat_interleave(2))
 
-    # FSDP2: the group of a gather, found through the module-state registry and on the stack.
+    # FSDP2: the parameters fully_shard manages and the group of a gather, from the module-state registry.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)).to(DEVICE)
     d.quantize_module_(model, d.MXFP8())
+    tied = nn.Linear(64, 64, bias=False).to(DEVICE)
+    model.append(tied)
+    tied.weight = model[1].weight  # a parameter shared by two modules: FSDP records the second one
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     expected = fully_shard.state(model[0])._fsdp_param_group
-    out["group_class"] = isinstance(expected, _compat.fsdp_param_group_class())
     root = fully_shard.state(model)._fsdp_param_group
+    out["group_class"] = isinstance(expected, _compat.fsdp_param_group_class())
+    managed = {id(p.local_shard): p for p in _compat.fsdp_managed_params()}
+    shard0, shard1 = model[0].weight._local_tensor, model[1].weight._local_tensor
+    out["managed"] = (
+        isinstance(managed[id(shard0)], _compat.FSDPManagedParam)
+        and (managed[id(shard0)].group, managed[id(shard0)].module, managed[id(shard0)].shared_modules)
+        == (expected, model[0], ())
+        and (managed[id(shard1)].group, managed[id(shard1)].module, managed[id(shard1)].shared_modules)
+        == (root, model[1], (tied,)))
     out["group_of"] = (_compat.fsdp_param_group_of(model[0]) is expected and _compat.fsdp_param_group_of(model[1]) is root
+                       and _compat.fsdp_param_group_of(tied) is root
+                       and _compat.fsdp_param_group_of(None, shard0) is expected
+                       and _compat.fsdp_param_group_of(model[1], shard0) is expected  # the shard decides
                        and _compat.fsdp_param_group_of(nn.Linear(2, 2)) is None)
     out["group_modules"] = _compat.fsdp_group_modules(expected) == (model[0],)
     seen = []
     real = dfsdp.gather_usages
 
     def spy(group):
-        seen.append((group is expected, _compat.fsdp_param_group_on_stack(max_depth=32) is group,
-                     _compat.fsdp_group_in_backward(group), _compat.fsdp_group_reshards_after_forward(group)))
+        seen.append((group is expected, _compat.fsdp_group_in_backward(group), _compat.fsdp_group_reshards_after_forward(group)))
         return real(group)
 
     dfsdp.gather_usages = spy
@@ -208,12 +221,12 @@ def _distributed_accessors():
         model(torch.randn(4, 64, device=DEVICE)).sum().backward()
     finally:
         dfsdp.gather_usages = real
-    out["gathers"] = seen  # per gather: (model[0]'s group, the group on the stack, in backward, reshards)
+    out["gathers"] = seen  # per gather: (model[0]'s group, in backward, reshards)
     return out
 
 
 @touches("dtensor_local", "strided_shard_class", "resolve_process_group", "all_gather_single",
-         "fsdp_param_group_class", "fsdp_param_group_of", "fsdp_group_modules", "fsdp_param_group_on_stack",
+         "fsdp_param_group_class", "fsdp_managed_params", "fsdp_param_group_of", "fsdp_group_modules",
          "fsdp_group_in_backward", "fsdp_group_reshards_after_forward")
 def test_distributed_accessors(pools):
     world = WORLD_SIZES[0]
@@ -223,34 +236,7 @@ def test_distributed_accessors(pools):
     gathers = out.pop("gathers")
     assert all(out.values()), out
     # The root (model[1], does not reshard after forward) gathers once, model[0] in forward and backward.
-    assert gathers == [(False, True, False, False), (True, True, False, True), (True, True, True, True)], gathers
-
-
-def _sharding_seen_at_fully_shard(rows):
-    """The sharding fsdp_param_initializing reports while fully_shard sets an FP8 weight up (the
-    fully_shard-time check of dtensor_fp8.fsdp is what calls it)."""
-    import sys
-
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from dtensor_fp8 import fsdp
-
-    seen, check = [], fsdp._check_gatherable
-    fsdp._check_gatherable = lambda q, size, world, usages: seen.append((tuple(size), world)) or check(q, size, world, usages)
-    try:
-        layer = d.quantize_module_(nn.Linear(64, rows, bias=False).to(DEVICE), d.MXFP8())
-        fully_shard(layer, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)))
-    finally:
-        fsdp._check_gatherable = check
-    assert _compat.fsdp_param_initializing(sys._getframe(0)) is None  # any other frame: nothing
-    return seen
-
-
-@touches("fsdp_param_initializing")
-def test_fsdp_param_initializing(pools):
-    world = WORLD_SIZES[0]
-    assert pools[world].run(_sharding_seen_at_fully_shard, 128)[0] == [((128, 64), world)]
+    assert gathers == [(False, False, False), (True, False, True), (True, True, True)], gathers
 
 
 def test_every_accessor_is_touched():

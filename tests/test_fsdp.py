@@ -1,5 +1,7 @@
 """FP8 parameters under torch's own FSDP2 ``fully_shard`` on real gloo process groups."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -319,8 +321,20 @@ def test_uneven_shards_with_block_scales_raise_on_every_rank(pools):
         pytest.skip("one rank holds the whole weight: nothing is uneven")
     for name in ("blockwise1d", "blockwise2d"):  # block-aligned (128 + 127 rows) but uneven
         for msg in pools[world].run(_uneven, name, 255):
-            assert msg.startswith("at fully_shard:"), msg  # refused when sharding, not at the first forward
-            assert "unevenly" in msg and "(255, 256)" in msg and "Pad dim 0" in msg, msg
+            # Refused by the first pre-all-gather hook, before its collective, on every rank (see
+            # "where an FSDP2 sharding is refused" in fsdp.py: fully_shard has no frame-free moment).
+            assert msg.startswith("at the first forward:"), msg
+            assert "unevenly" in msg and "(255, 256)" in msg and f"over {world} ranks" in msg and "Pad dim 0" in msg, msg
+
+
+def test_a_gather_fsdp_does_not_manage_names_the_torch_version():
+    """The hook learns its FSDPParamGroup from FSDP2's module-state registry; a shard no
+    ``fully_shard`` lists there (a torch that keeps its state elsewhere) is an error naming the
+    torch version, not a guess."""
+    layer = d.quantize_module_(nn.Linear(DIM, DIM, bias=False), RECIPES["mxfp8"])
+    shard = layer.weight.detach()
+    with pytest.raises(RuntimeError, match=re.escape(f"torch {torch.__version__}") + ".*2.11, 2.13, 2.14 and 2.15"):
+        shard.fsdp_pre_all_gather(None, shard.shape, (DIM, 1), layer, None)
 
 
 def _int_reshard(n):

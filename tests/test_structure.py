@@ -28,7 +28,7 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 #: Layers, lowest first: a module imports only modules of its own layer or below (and the cycle
 #: test keeps each layer acyclic). ``te`` plugs in from the top: nothing below imports it.
 LAYERS = [
-    ("recipes", ["_compat", "weak_id_map", "formats", "formats.*"]),
+    ("recipes", ["settings", "_compat", "weak_id_map", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "fsdp", "tp", "comm"]),
     ("training / checkpoint", ["requantize", "optim", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
@@ -197,3 +197,63 @@ def test_private_torch_imports_only_in_compat():
         private -= ALLOWED_PRIVATE_TORCH | PRIVATE_TORCH_PENDING.get(rel, set())
         wrong += [f"{rel}: {m}" for m in sorted(private)]
     assert not wrong, "private torch modules outside _compat.py: " + "; ".join(wrong)
+
+
+# ---- no call-stack introspection; the environment read in one place ---------------------------------
+#: ``module.attribute`` reads that look at the call stack (frames and their locals): the package learns
+#: about FSDP2 and torch from their objects (_compat.py), never from who called it.
+FRAME_READS = {("sys", "_getframe"), ("sys", "_current_frames"), ("inspect", "currentframe"), ("inspect", "stack"),
+               ("inspect", "getouterframes"), ("inspect", "getframeinfo"), ("traceback", "extract_stack")}
+#: Attributes only a frame object has.
+FRAME_ATTRIBUTES = {"f_locals", "f_back", "f_globals", "f_code", "f_lineno", "tb_frame"}
+#: The one module that reads the process environment (the kernel / GEMM switches; benchmarks/ read
+#: their own command-line flags and may read it too).
+ENVIRONMENT_READER = "settings"
+ENVIRONMENT_READS = {("os", "environ"), ("os", "getenv"), ("os", "putenv"), ("os", "unsetenv"), ("os", "environb")}
+
+
+def _dotted_reads(tree: ast.AST) -> set[tuple[str, str]]:
+    """``(module, name)`` for every ``module.name`` attribute read and ``from module import name``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            found.add((node.value.id, node.attr))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+def frame_reads(source: str) -> list[str]:
+    """What in ``source`` reads the call stack: ``sys._getframe`` & co., or a frame's attributes."""
+    tree = ast.parse(source)
+    dotted = sorted(f"{m}.{n}" for m, n in _dotted_reads(tree) & FRAME_READS)
+    attrs = sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRIBUTES})
+    return dotted + attrs
+
+
+def reads_environment(source: str) -> bool:
+    return bool(_dotted_reads(ast.parse(source)) & ENVIRONMENT_READS)
+
+
+def test_the_source_checks_see_what_they_look_for():
+    assert frame_reads("import sys\nframe = sys._getframe(1)\nowner = frame.f_locals['self']") == ["sys._getframe", "f_locals"]
+    assert frame_reads("from inspect import currentframe\nimport inspect\ninspect.stack()") == [
+        "inspect.currentframe", "inspect.stack"]
+    assert frame_reads('"""mentions sys._getframe in a docstring"""\nx = torch.stack([a])') == []
+    assert reads_environment("import os\nos.environ.get('X')") and reads_environment("from os import getenv")
+    assert not reads_environment("import os\nos.path.join('a', 'b')")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_call_stack_introspection(name):
+    found = frame_reads(MODULES[name].read_text())
+    assert not found, (f"dtensor_fp8/{MODULES[name].relative_to(PACKAGE)} reads the call stack ({', '.join(found)}): "
+                       "learn what a hook needs from the objects it is given or from torch's own state (_compat.py)")
+
+
+def test_one_module_reads_the_environment():
+    readers = sorted(name for name, path in MODULES.items()
+                     if not name.startswith("benchmarks") and reads_environment(path.read_text()))
+    assert readers == [ENVIRONMENT_READER], (
+        f"modules reading os.environ / os.getenv: {readers}; only dtensor_fp8/settings.py may (add a field to its "
+        "Settings and read settings.current() instead)")

@@ -21,21 +21,20 @@ recipe`` shows both):
 ``tests/gpu/test_te_kernels.py`` compares each fast path with the reference byte for byte on the
 GPU. MXFP8 has no fast path: TE's MXFP8 kernels need sm_100+ and cannot be checked on the H200
 (where TE's MXFP8 quantize writes nothing); the Triton kernels (``triton_kernels.py``) cover it.
-``DTENSOR_FP8_TE_KERNELS=0`` turns TE's kernels off; ``reference_only()`` forces the reference.
+``DTENSOR_FP8_TE_KERNELS=0`` turns TE's kernels off (read once, by ``settings.py``);
+``kernel_paths()`` / ``reference_only()`` choose the paths within a block through
+``settings.override``, never through the environment.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
-from .. import _compat
+from .. import _compat, settings
 from . import te_import
-
-ENV_SWITCH = "DTENSOR_FP8_TE_KERNELS"
 
 
 @functools.cache
@@ -50,11 +49,11 @@ def _te():
 
 def usable(hp: torch.Tensor) -> bool:
     """True when ``hp`` can take the TE fast path: a non-empty CUDA tensor, TE importable, the
-    fast path not switched off with ``DTENSOR_FP8_TE_KERNELS=0``, and not inside torch.compile
+    fast path not switched off (``settings.current().te_kernels``), and not inside torch.compile
     (dynamo cannot trace TE's extension calls, and AOT autograd's fake tensors have no data; the
     compiled reference makes the same bytes)."""
     return (hp.is_cuda and hp.numel() > 0 and not _compat.is_traced(hp)
-            and os.environ.get(ENV_SWITCH, "1") != "0" and _te() is not None)
+            and settings.current().te_kernels and _te() is not None)
 
 
 # What TE's quantizers read and tests/gpu/test_te_kernels.py checks (fp16 goes the reference way).
@@ -66,32 +65,23 @@ def takes_input(hp: torch.Tensor) -> bool:
     return hp.dtype in _INPUT_DTYPES and usable(hp)
 
 
-#: The Triton fast path's switch (formats/triton_kernels.py), also turned off by reference_only().
-TRITON_SWITCH = "DTENSOR_FP8_TRITON"
-
-
 @contextlib.contextmanager
 def kernel_paths(*, te: bool, triton: bool):
     """Within the block, the recipes' TE-kernel and Triton fast paths are on or off as given (tests
-    comparing paths, benchmarks timing each). Sets ``DTENSOR_FP8_TE_KERNELS`` and
-    ``DTENSOR_FP8_TRITON`` process-wide, so it is not meant for threads running other FP8 work
+    comparing paths, benchmarks timing each): ``settings.override(te_kernels=te, triton=triton)``.
+    Process-wide, like the settings, so it is not meant for threads running other FP8 work
     meanwhile.
+
+    Args:
+        te: TE's kernels may run.
+        triton: the Triton kernels may run.
 
     Example:
         >>> with kernel_paths(te=False, triton=True):
         ...     q = dtensor_fp8.quantize(w.cuda(), dtensor_fp8.MXFP8())  # the Triton kernel
     """
-    saved = {k: os.environ.get(k) for k in (ENV_SWITCH, TRITON_SWITCH)}
-    os.environ[ENV_SWITCH] = "1" if te else "0"
-    os.environ[TRITON_SWITCH] = "1" if triton else "0"
-    try:
+    with settings.override(te_kernels=te, triton=triton):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -16,26 +16,25 @@ Triton ships with torch's CUDA builds; it is never required: without it (or with
 ``DTENSOR_FP8_TRITON=0``, or inside ``te_kernels.reference_only()``) the recipes run their
 TE-kernel or pure-torch paths. Under ``TRITON_INTERPRET=1`` the kernels also take CPU tensors
 (slowly: that is for tests), casting to FP8 in software because the interpreter's own FP8
-conversion does not round to nearest even.
+conversion does not round to nearest even. The switches are read once, by ``settings.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
-from .. import _compat
+from .. import _compat, settings
 
-ENV_SWITCH = "DTENSOR_FP8_TRITON"
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``, read when kernels are defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``; Triton reads it when kernels are
+    defined, ``settings.py`` once, as Triton does)."""
+    return settings.current().triton_interpret
 
 
 @functools.cache
@@ -49,14 +48,15 @@ def usable(t: torch.Tensor) -> bool:
     not one of the fake tensors torch.compile traces with (a kernel launch needs data)."""
     if not (t.is_cuda or (t.device.type == "cpu" and interpreting())):
         return False
-    if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or os.environ.get(ENV_SWITCH, "1") == "0":
+    if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or not settings.current().triton:
         return False
     return not _compat.is_traced(t) and _importable()
 
 
 def software_cast() -> bool:
-    """Cast to FP8 with integer operations (exact everywhere) instead of the hardware conversion."""
-    return interpreting() or os.environ.get("DTENSOR_FP8_TRITON_SOFTWARE_CAST", "0") == "1"
+    """Cast to FP8 with integer operations (exact everywhere) instead of the hardware conversion
+    (under the interpreter, or ``DTENSOR_FP8_TRITON_SOFTWARE_CAST=1``)."""
+    return interpreting() or settings.current().triton_software_cast
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
