@@ -30,7 +30,6 @@ import weakref
 import torch
 from torch import nn
 
-from .weak_id_map import WeakIdMap
 
 #: ``(major, minor)`` of the running torch.
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -210,12 +209,10 @@ def fsdp_group_modules(group) -> tuple[nn.Module, ...]:
 # ``fsdp_params`` are the ``FSDPParam``s it gathers: the local shard FSDP hands the hook
 # (``_sharded_local_tensor``, the sharded DTensor parameter's local tensor), the owning module
 # FSDP passes as ``module`` (``_module_info.module``; ``shared_modules`` for a tied parameter).
-# ``fsdp_param_group_of`` indexes them once and looks the shard up (the module where the shard is
-# a copy, as with CPU offload); the index is rebuilt on a miss (a later ``fully_shard``).
+# ``fsdp_param_group_of`` reads them and looks the shard up (the module where the shard is a copy,
+# as with CPU offload); the caller keeps the answer in the parameter's owner record.
 # Where the groups sit in the state differs between versions (``_param_groups_of_state`` below).
 # Nothing here reads the call stack: a torch that moves the registry fails loudly, naming itself.
-_GROUP_BY_SHARD = WeakIdMap()  # local shard -> weakref to its FSDPParamGroup
-_GROUPS_BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,29 +284,6 @@ def fsdp_managed_params() -> list[FSDPManagedParam]:
     return found
 
 
-def _index_fsdp_groups() -> None:
-    _GROUPS_BY_MODULE.clear()
-    for p in fsdp_managed_params():
-        ref = weakref.ref(p.group)
-        _GROUP_BY_SHARD[p.local_shard] = ref
-        for owner in (p.module, *p.shared_modules):
-            refs = _GROUPS_BY_MODULE.setdefault(owner, [])
-            if all(r() is not p.group for r in refs):
-                refs.append(ref)
-
-
-def _group_in_index(shard, module):
-    ref = _GROUP_BY_SHARD.get(shard) if shard is not None else None
-    if ref is not None and ref() is not None:
-        return ref()
-    # The hook was handed a copy of the shard (CPU offload moves it to the device first): the owning
-    # module decides, where all its parameters are gathered by one group.
-    if module is None:
-        return None
-    groups = [g for g in (r() for r in _GROUPS_BY_MODULE.get(module, ())) if g is not None]
-    return groups[0] if len(groups) == 1 else None
-
-
 def fsdp_param_group_of(module: nn.Module | None, shard: torch.Tensor | None = None):
     """The ``FSDPParamGroup`` that gathers ``shard`` (a local tensor FSDP2 hands
     ``fsdp_pre_all_gather``), else the one gathering the parameters of ``module`` (their owning
@@ -327,11 +301,16 @@ def fsdp_param_group_of(module: nn.Module | None, shard: torch.Tensor | None = N
     """
     if module is None and shard is None:
         return None
-    group = _group_in_index(shard, module)
-    if group is None:  # a shard or module not seen yet: FSDP2's state as it is now
-        _index_fsdp_groups()
-        group = _group_in_index(shard, module)
-    return group
+    # Read afresh each call: the caller keeps the answer (the parameter's owner record), so this
+    # runs once per parameter, at its first gather.
+    managed = fsdp_managed_params()
+    for p in managed:
+        if shard is not None and p.local_shard is shard:
+            return p.group
+    # The hook was handed a copy of the shard (CPU offload moves it to the device first): the owning
+    # module decides, where all its parameters are gathered by one group.
+    groups = {id(p.group): p.group for p in managed if module is not None and module in (p.module, *p.shared_modules)}
+    return next(iter(groups.values())) if len(groups) == 1 else None
 
 
 def checkpoint_wrapper_class() -> type:

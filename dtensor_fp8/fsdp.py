@@ -57,26 +57,16 @@ from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
 from .ops.slicing import check_shardable, slice_quantized
 from .tensor import QuantizedTensor, one_byte_as_uint8
-from .weak_id_map import WeakIdMap
 
 aten = torch.ops.aten
 
 
-# ---- the state this module owns ------------------------------------------------------------------------
 # [Note: per-gather state]
-# A gather's bookkeeping is kept here, in weak maps keyed by the object it describes, never on the
-# tensors (a QuantizedTensor has exactly the fields tensor.py declares) or on FSDP's objects:
-#: local shard -> {(mesh, outer size, usages, module): _PlanEntry}
-_GATHER_PLANS = WeakIdMap()
-#: local shard -> {(mesh, module): weakref to the FSDPParamGroup gathering it}
-_PARAM_GROUPS = WeakIdMap()
-#: unsharded parameter -> its own copies of per-tensor scales, by usage (see _shared_scale)
-_SHARED_SCALES = WeakIdMap()
-#: FSDPParamGroup -> whether its gathers carry both planes (checkpointing or compile under it; found once)
-_GATHERS_BOTH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-#: owning module -> the UnshardedView that turns its gathered planes into the unsharded parameter
-#: (see register_unsharded_view; te.py registers TE's tensor classes this way)
-_UNSHARDED_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, UnshardedView]" = weakref.WeakKeyDictionary()
+# What a parameter's gathers keep between gathers (plans and their last inputs, the gathering
+# FSDPParamGroup, whether it gathers both planes, the unsharded weight's scale copies, the
+# unsharded view) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
+# gather``, a ``param_state.GatherState``, shared by the shard and the unsharded weight). Nothing
+# is kept on FSDP's objects or in maps here.
 
 
 class UnshardedView(Protocol):
@@ -108,30 +98,27 @@ class UnshardedView(Protocol):
 def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> None:
     """Make FSDP2 gathers of ``module``'s FP8 parameters hand out what ``view`` builds as the
     unsharded parameter instead of a :class:`QuantizedTensor` (the TE adapter's hook: ``te.py``
-    registers TE tensors over the gathered buffers for TE modules).
+    registers TE tensors over the gathered buffers for TE modules). Kept in each parameter's owner
+    record (``param_state.gather.unsharded_view``), so call it before or after ``fully_shard``.
 
     Args:
-        module: the module owning the parameters.
+        module: the module owning the parameters (its own, not its children's).
         view: an :class:`UnshardedView`.
 
     Example:
         >>> register_unsharded_view(te_linear, dtensor_fp8.te.FSDP_TE_VIEW)
     """
-    _UNSHARDED_VIEWS[module] = view
+    for p in module.parameters(recurse=False):
+        local = _compat.dtensor_local(p)
+        if isinstance(local, QuantizedTensor):
+            local.param_state.gather.unsharded_view = view
 
 
 def _gathers_both(group) -> bool:
-    """Whether every gather of ``group`` must carry both planes (see the note at the top); found
-    once per group (the walk over every submodule is the costliest part of a gather's
-    bookkeeping). Apply checkpointing and compile before the first forward, as torch's own
-    FSDP2 recipes and torchtitan do."""
-    cached = _GATHERS_BOTH.get(group)
-    if cached is None:
-        cached = _GATHERS_BOTH[group] = _find_gather_both(group)
-    return cached
-
-
-def _find_gather_both(group) -> bool:
+    """Whether every gather of ``group`` must carry both planes (see the note at the top). The
+    walk over every submodule is the costliest part of a gather's bookkeeping: callers keep the
+    answer (the owner record's ``gather.gathers_both``). Apply checkpointing and compile before
+    the first forward, as torch's own FSDP2 recipes and torchtitan do."""
     wrapper_cls = _compat.checkpoint_wrapper_class()
     for root in _compat.fsdp_group_modules(group):
         for m in root.modules():
@@ -142,18 +129,19 @@ def _find_gather_both(group) -> bool:
     return False
 
 
-def gather_usages(group) -> tuple[str, ...]:
+def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]:
     """Usages the FSDP2 all-gather of ``group`` must deliver (see the note at the top).
 
     Args:
         group: the ``FSDPParamGroup`` gathering (``None``: outside FSDP's unshard, deliver both).
+        gathers_both: whether ``group`` gathers both planes, if already known (else found here).
 
     Example:
         >>> gather_usages(_compat.fsdp_param_group_of(linear))   # ("rowwise",) in forward
     """
     if group is None:
         return (ROWWISE, COLUMNWISE)
-    if _gathers_both(group):
+    if gathers_both if gathers_both is not None else _gathers_both(group):
         return (ROWWISE, COLUMNWISE)
     if _compat.in_backward() or _compat.fsdp_group_in_backward(group):
         return (COLUMNWISE,)
@@ -273,7 +261,7 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
     padded_rows = -(-outer_size[0] // world)
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
     # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
-    view = _UNSHARDED_VIEWS.get(module) if module is not None else None
+    view = q.param_state.gather.unsharded_view
     planes = q.planes
     fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
     # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
@@ -294,15 +282,14 @@ def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size
     return (empty,), metadata
 
 
-def _param_group_of(q: QuantizedTensor, mesh, module):
-    """The FSDPParamGroup gathering ``q``, from FSDP2's own state (see the note in _compat.py);
-    found once per (mesh, module) and kept (a parameter's group is fixed when ``fully_shard``
-    runs). FSDP2 calls the hook only for parameters it manages, so not finding it means this
-    torch keeps its state where _compat.py does not look: that is an error, not a guess."""
-    groups = _PARAM_GROUPS.get_or_create(q, dict)
-    key = (id(mesh), id(module))
-    ref = groups.get(key)
-    group = ref() if ref is not None else None
+def _param_group_of(q: QuantizedTensor, module):
+    """The FSDPParamGroup gathering ``q``, from FSDP2's own state (see the note in _compat.py),
+    read at the first gather and kept in the owner record with whether it gathers both planes (a
+    parameter's group is fixed when ``fully_shard`` runs). FSDP2 calls the hook only for
+    parameters it manages, so not finding it means this torch keeps its state where _compat.py
+    does not look: that is an error, not a guess."""
+    record = q.param_state.gather
+    group = record.gathering_group()
     if group is None:
         group = _compat.fsdp_param_group_of(module, q)
         if group is None:
@@ -311,16 +298,17 @@ def _param_group_of(q: QuantizedTensor, mesh, module):
                 f"FSDP2 state in torch {torch.__version__}'s module-state registry lists it. dtensor_fp8/_compat.py "
                 "reads FSDP2's state as torch 2.11, 2.13, 2.14 and 2.15 lay it out: use one of those versions, "
                 "or update _compat.fsdp_managed_params for this one.")
-        groups[key] = weakref.ref(group)
+        record.group, record.gathers_both = weakref.ref(group), _gathers_both(group)
     return group
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     self.check_bytes_made()  # a meta-built weight is quantized by finish_init_ before its first gather
-    usages = gather_usages(_param_group_of(self, mesh, module))
-    # The same few gathers repeat every step; their plans are kept per (persistent) local shard,
-    # keyed by the mesh object FSDP holds for the parameter's lifetime.
-    plans = _GATHER_PLANS.get_or_create(self, dict)
+    group = _param_group_of(self, module)
+    usages = gather_usages(group, gathers_both=self.param_state.gather.gathers_both)
+    # The same few gathers repeat every step; their plans are kept in the owner record, keyed by
+    # the mesh object FSDP holds for the parameter's lifetime.
+    plans = self.param_state.gather.plans
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
@@ -365,25 +353,24 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     return result
 
 
-def _shared_scale(out, usage: str, live: torch.Tensor) -> torch.Tensor:
+def _shared_scale(record, out, usage: str, live: torch.Tensor) -> torch.Tensor:
     """A copy of the shard's per-tensor scale ``live`` for the unsharded parameter ``out`` (``None``
-    at the first gather): like the gathered bytes, a copy, so an unsharded weight that outlives an
+    at the first gather; its copies are the owner record's ``gather.unsharded_scales``): like the gathered bytes, a copy, so an unsharded weight that outlives an
     optimizer step never pairs its old bytes with the shard's new scale. Later gathers overwrite
     the copy in place (no allocation), keeping its autograd version as FSDP2 keeps its all-gather
     outputs': a compiled block's forward saves the gathered scale for its backward, and the
     backward's gather writes the same value into it (no optimizer step runs in between)."""
-    kept = _SHARED_SCALES.get(out) if out is not None else None
-    copy = kept.get(usage) if kept is not None else None
+    copy = record.unsharded_scales.get(usage) if out is not None else None
     if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
         return live.clone()
     with _compat.preserve_version_counter(copy):
         return copy.copy_(live)
 
 
-def _keep_shared_scales(tensor, planes: dict, shared_scales: dict) -> None:
-    """Remember on the unsharded parameter which scale tensors are its own copies."""
+def _keep_shared_scales(record, planes: dict, shared_scales: dict) -> None:
+    """Remember in the owner record which scale tensors are the unsharded parameter's own copies."""
     if shared_scales:
-        _SHARED_SCALES[tensor] = {u: planes[u].scale_inv for u in shared_scales}
+        record.unsharded_scales = {u: planes[u].scale_inv for u in shared_scales}
 
 
 def _padded_nbytes(t: torch.Tensor) -> int:
@@ -438,6 +425,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
         outputs = _unpack(outputs[0], metadata.packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
     out_local = _compat.dtensor_local(out) if out is not None else None
+    record = self.param_state.gather
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
     planes, i = {}, 0
@@ -454,11 +442,11 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
             scale = raw[:, : gr * gc].reshape(world * gr, gc)
             scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
         else:
-            scale = _shared_scale(out_local, usage, shared_scales[usage])
+            scale = _shared_scale(record, out_local, usage, shared_scales[usage])
         planes[usage] = Plane(data, scale)
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
         result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, metadata.orig_rows)
-        _keep_shared_scales(out_local if out is not None else result[0], planes, shared_scales)
+        _keep_shared_scales(record, planes, shared_scales)
         return result
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
                                            param_state=self.param_state)
@@ -470,11 +458,11 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
         out_local.repoint_(trimmed.planes, trimmed.usages)
         if usages == _BACKWARD_ONLY:
             out_local.create_transpose_cache()
-        _keep_shared_scales(out_local, planes, shared_scales)
+        _keep_shared_scales(record, planes, shared_scales)
         return
     if usages == _BACKWARD_ONLY:
         gathered.create_transpose_cache()
-    _keep_shared_scales(gathered, planes, shared_scales)
+    _keep_shared_scales(record, planes, shared_scales)
     # The planes are views of `outputs`, which FSDP already frees on reshard.
     return gathered, ()
 

@@ -21,10 +21,12 @@ high-precision init values    the local shard (``hp_init``),          by ``quant
                               sliced with its planes                  written by the user's init) /    from them (and are saved)
                                                                       when the optimizer's masters
                                                                       take them
-per-gather plans and state    ``fsdp.py``'s maps, by local shard      at the first gather / with       not saved (rebuilt from the mesh)
-                                                                      the shard
-the TE view                   ``fsdp.register_unsharded_view``        by ``quantize_te_module_`` /     not saved
-                                                                      with the module
+per-gather plans, the        ``FP8ParamState.gather``                at the first gather (FSDP2's     not saved (rebuilt from the mesh)
+gathering FSDPParamGroup,     (a :class:`GatherState`)                group: from its registry,
+the unsharded weight's                                                ``_compat``) / with the record
+scale copies
+the unsharded view (TE)       ``FP8ParamState.gather.unsharded_view`` by ``quantize_te_module_`` /     not saved
+                                                                      with the record
 transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
                               cache``)                                or by the dgrad GEMM / after
                                                                       its one use
@@ -44,6 +46,7 @@ and load it at any world size, and a resumed run continue bit-identically.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -60,6 +63,34 @@ def is_operand_state_entry(key: str) -> bool:
 
 
 @dataclass(eq=False)
+class GatherState:
+    """What FSDP2's all-gathers of one parameter keep between gathers (``fsdp.py`` writes it).
+
+    Attributes:
+        plans: ``(id(mesh), outer size, usages, id(module))`` -> that kind of gather's plan and
+            its last inputs (``fsdp._PlanEntry``), made at its first gather.
+        group: a weak reference to the ``FSDPParamGroup`` gathering the parameter, read once from
+            FSDP2's registry; ``None`` before the first gather.
+        gathers_both: whether that group's gathers carry both planes (checkpointing or compile
+            under it), found once; ``None`` before.
+        unsharded_scales: the unsharded weight's own copies of per-tensor scales, by plane
+            (``fsdp._shared_scale``).
+        unsharded_view: what a gather hands out as the unsharded parameter where that is not a
+            QuantizedTensor (``fsdp.UnshardedView``; TE modules' weights: ``te.FSDP_TE_VIEW``).
+    """
+
+    plans: dict = field(default_factory=dict)
+    group: "weakref.ref | None" = None
+    gathers_both: bool | None = None
+    unsharded_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    unsharded_view: object | None = None
+
+    def gathering_group(self):
+        """The ``FSDPParamGroup`` kept by the first gather, or ``None``."""
+        return self.group() if self.group is not None else None
+
+
+@dataclass(eq=False)
 class FP8ParamState:
     """The scaling state one FP8 parameter keeps across steps (see the note above).
 
@@ -69,6 +100,7 @@ class FP8ParamState:
             ``scale``); empty for recipes whose scales are a function of the data.
         operand_scaling: ``"input"`` / ``"grad"`` -> the scaling state of the FP8 GEMMs'
             activations / output gradients (``Recipe.operand_state``); empty for recipes without.
+        gather: FSDP2's per-gather state of the parameter (:class:`GatherState`).
 
     Example:
         >>> q = dtensor_fp8.quantize(w, dtensor_fp8.DelayedScaling())
@@ -78,6 +110,7 @@ class FP8ParamState:
 
     weight_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    gather: GatherState = field(default_factory=GatherState)
 
     def weight_state(self, recipe, usage: str, plane) -> dict[str, torch.Tensor] | None:
         """The weight scaling state of ``usage``'s plane, created from the plane's current scale

@@ -212,9 +212,9 @@ def _distributed_accessors():
     seen = []
     real = dfsdp.gather_usages
 
-    def spy(group):
+    def spy(group, **kwargs):
         seen.append((group is expected, _compat.fsdp_group_in_backward(group), _compat.fsdp_group_reshards_after_forward(group)))
-        return real(group)
+        return real(group, **kwargs)
 
     dfsdp.gather_usages = spy
     try:

@@ -130,8 +130,8 @@ def _gathered_usages():
         fully_shard(model, mesh=mesh)
         calls = []
 
-        def recording(group, calls=calls):
-            usages = real(group)
+        def recording(group, calls=calls, **kwargs):
+            usages = real(group, **kwargs)
             calls.append(usages)
             return usages
 
