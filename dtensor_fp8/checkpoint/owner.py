@@ -12,9 +12,10 @@ process lives, and removes it at exit.
 
 A save that finds another job's claim decides whether that job is alive:
 
-- the claim names a process of this host (same boot and pid namespace) that no longer exists: it
-  is dead;
-- else its heartbeat (the file's mtime, compared with the mtime of a probe file written now, so
+- the claim names a process of this host (same boot and pid namespace): alive while a process
+  with that pid and that start time (``/proc/<pid>/stat``) exists, dead otherwise (a reused pid
+  has another start time);
+- a process of another host: alive while its heartbeat beats. Its heartbeat (the file's mtime, compared with the mtime of a probe file written now, so
   both come from the file system's clock and hosts' clocks do not matter) is older than
   ``DTENSOR_FP8_CHECKPOINT_STALE_S`` seconds (default 30): dead;
 - else the save watches the file until it is touched again (the job is alive: the save is
@@ -76,7 +77,8 @@ def _me() -> dict:
     if _identity is None or _identity["pid"] != os.getpid():  # a forked child is another job
         _identity = {"job": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
                      "boot": _read_text("/proc/sys/kernel/random/boot_id"),
-                     "pidns": _pid_namespace(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                     "pidns": _pid_namespace(), "pstart": _process_start(os.getpid()),
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                      "command": " ".join(sys.argv)[:300]}
         _held.clear()
         _thread = None
@@ -153,22 +155,28 @@ def _fs_now(root: str) -> int:
         os.unlink(probe)
 
 
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError, OverflowError):
-        return True  # exists (another user's), or not a pid we can judge
-    return True
+def _process_start(pid) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22),
+    or None if there is no such process (or no ``/proc``)."""
+    text = _read_text(f"/proc/{int(pid)}/stat")
+    if not text or ")" not in text:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[19] if len(fields) > 19 else None
 
 
 def _dead_because(root: str, file: str, other: dict, mtime: int) -> str | None:
-    """Why the job of ``other`` is dead (a reason), or None when its heartbeat is seen beating."""
+    """Why the job of ``other`` is dead (a reason), or None when it is alive: a process of this host
+    that still runs, or a heartbeat seen beating (see the note)."""
     me = _me()
-    if (other.get("host") == me["host"] and other.get("boot") == me["boot"] and other.get("pidns") == me["pidns"]
-            and me["boot"] and not _pid_alive(other.get("pid"))):
-        return f"its process {other.get('pid')} on this host no longer exists"
+    if (me["boot"] and me["pstart"] and other.get("host") == me["host"] and other.get("boot") == me["boot"]
+            and other.get("pidns") == me["pidns"] and isinstance(other.get("pid"), int)):
+        started = _process_start(other["pid"])
+        if started is None:
+            return f"its process {other['pid']} on this host no longer exists"
+        if other.get("pstart") is not None and started != other.get("pstart"):
+            return f"its process {other['pid']} on this host has ended (the pid is another process's now)"
+        return None
     beat, stale = settings()
     while True:
         age = (_fs_now(root) - mtime) / 1e9
@@ -185,8 +193,14 @@ def _dead_because(root: str, file: str, other: dict, mtime: int) -> str | None:
 def acquire(root: str) -> None:
     """Claim ``root`` for this job (rank 0, before a save changes anything; see the note).
 
+    Args:
+        root: the checkpoint root (created by the caller).
+
     Raises:
         CheckpointError: another live job holds the root, or took it over from this one.
+
+    Example:
+        >>> acquire("ckpt")  # rank 0, in prepare_save
     """
     me = _me()
     key, file = os.path.realpath(root), os.path.join(root, OWNER_FILE)
@@ -242,7 +256,14 @@ def _take_over(root: str, file: str, judged: dict) -> bool:
 
 
 def check(root: str) -> None:
-    """Before a commit: ``root`` is still this job's (a :class:`CheckpointError` if another job took it)."""
+    """Before a commit: ``root`` is still this job's (a :class:`CheckpointError` if another job took it).
+
+    Args:
+        root: a root this job claimed with :func:`acquire`.
+
+    Example:
+        >>> check("ckpt")  # rank 0, in commit_save
+    """
     other, _ = _read(os.path.join(root, OWNER_FILE))
     if other is None:  # removed by hand: claim it again
         acquire(root)
