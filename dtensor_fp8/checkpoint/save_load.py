@@ -1,11 +1,12 @@
 """``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``: DCP checkpoints that are atomic
-per step, run no code when opened, detect corruption, and fail alike on every rank with errors that
-name the entry, file and rank at fault.
+per step, saved by one job per root, run no code when opened, detect corruption, load all or
+nothing, and fail alike on every rank with errors that name the entry, file and rank at fault.
 
 The state dicts are torch's own (``torch.distributed.checkpoint.state_dict.get_state_dict``, or
 ``model.state_dict()`` / ``optimizer.state_dict()``, plus any plain values); how an FP8 weight
 appears in them is ``dtensor_fp8/state_dict.py``'s note. The directories are ``dirs.py``'s note,
-the reading and writing ``dcp_io.py``'s, the checksums ``checksum.py``'s, and errors on every rank
+the claim on a root ``owner.py``'s, the reading ``dcp_io.py``'s, the writing ``dcp_write.py``'s,
+the checksums ``checksum.py``'s, plain values ``values.py``'s, and errors on every rank
 ``errors.py``'s.
 """
 
@@ -40,7 +41,7 @@ from .dirs import (
     resolve_latest,
     step_dir_name,
 )
-from .errors import CheckpointError, CheckpointRecipeError, agree
+from .errors import CheckpointError, CheckpointRecipeError, agree, os_error_text
 from .values import check_value, refuse_divergence, replica_digests
 
 #: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
@@ -104,8 +105,8 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
     digests = agree(what, _check_before_save, state_dict, allow_nonfinite, group=process_group, after=nothing,
                     everyone=True)
     agree(what, refuse_divergence, digests, group=process_group, after=nothing)
-    partial = agree(what, lambda: prepare_save(root, name) if first else partial_dir(root, name), group=process_group,
-                    after=nothing)
+    partial = agree(what, lambda: _named(prepare_save, root, name) if first else partial_dir(root, name),
+                    group=process_group, after=nothing)
     try:
         agree(what, _dcp_save, state_dict, partial, process_group, group=process_group,
               after=" Nothing was committed: `latest` and every step directory are as before this save, and its "
@@ -115,8 +116,16 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
             discard_save(root, name)
         raise
     # a fault or a kill here may come after the swap: every surviving rank reads what is on disk
-    return agree(what, lambda: commit_save(root, name) if first else os.path.join(root, name), group=process_group,
-                 outcome=lambda: commit_outcome(root, name))
+    return agree(what, lambda: _named(commit_save, root, name) if first else os.path.join(root, name),
+                 group=process_group, outcome=lambda: commit_outcome(root, name))
+
+
+def _named(fn, *args):
+    """``fn(*args)``, an ``OSError`` named by its errno and file (ENOSPC with the free space)."""
+    try:
+        return fn(*args)
+    except OSError as err:
+        raise CheckpointError(os_error_text(err)) from err
 
 
 def _check_before_save(state_dict: dict, allow_nonfinite: bool) -> dict:
@@ -357,6 +366,13 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
         if not is_tensor:
             copies[key] = value
         elif _is_extra_state(key) and not isinstance(value, DTensor):
+            # read at its saved size: bounded by the bytes stored for it (a crafted size allocates nothing)
+            nbytes = _numel(meta.size) * meta.properties.dtype.itemsize
+            stored = sum(info.length for index, info in opened.metadata.storage_data.items() if index.fqn == key)
+            if nbytes > stored:
+                raise CheckpointError(
+                    f"{path}: .metadata gives entry {key!r} {tuple(meta.size)} {meta.properties.dtype} ({nbytes} bytes), "
+                    f"but only {stored} bytes are stored for it (a crafted size?); restore .metadata from a copy")
             copies[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
             blobs.add(key)
         elif tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:

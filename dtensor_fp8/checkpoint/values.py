@@ -55,7 +55,15 @@ _FIX = ("Fix: load into a state dict built as the checkpoint was saved (the same
 
 def scan_value_pickle(data: bytes, where: str) -> None:
     """Before ``torch.load``: a stored value's size is bounded and its pickle declares no length it
-    does not hold (see the note). ``where`` names the entry and file for the message."""
+    does not hold (see the note).
+
+    Args:
+        data: the stored bytes of one plain value (DCP's ``torch.save`` archive of it).
+        where: the entry and file, for the message.
+
+    Example:
+        >>> scan_value_pickle(stored_bytes, "entry 'step' in ckpt/step-00000002/__0_0.distcp")
+    """
     if len(data) > MAX_VALUE_BYTES:
         raise CheckpointError(f"{where}: a plain value of {len(data)} stored bytes, above the {MAX_VALUE_BYTES} a value "
                               "may take (a crafted size?); store large data as tensors")
@@ -178,7 +186,14 @@ def _tensor_digest(t: torch.Tensor) -> str:
 def replica_digests(state_dict: dict) -> dict[str, str]:
     """This rank's digest of every entry DCP stores once for several ranks: plain values, tensors
     that are not DTensors, and replicated DTensor chunks (keyed by their coordinates on the mesh's
-    sharded dimensions). Compared across ranks by :func:`refuse_divergence`."""
+    sharded dimensions). Compared across ranks by :func:`refuse_divergence`.
+
+    Args:
+        state_dict: what this rank is about to save.
+
+    Example:
+        >>> replica_digests({"step": 3, "rng": torch.get_rng_state()})  # {"rng": "torch.uint8(5056,):...", "step": ...}
+    """
     flat, _ = flatten_state_dict(state_dict)
     out = {}
     for key, value in flat.items():
@@ -207,6 +222,9 @@ def refuse_divergence(everyone: list[dict]) -> None:
 
     Args:
         everyone: :func:`replica_digests` of each rank, in rank order.
+
+    Example:
+        >>> refuse_divergence([{"step": "a"}, {"step": "b"}])  # CheckpointError: ... rank 0 / rank 1 hold different values
     """
     bad = []
     for key in sorted(set().union(*everyone)):
