@@ -312,6 +312,20 @@ def _heartbeat() -> None:
                         del _held[key]
 
 
+def _after_fork_in_child() -> None:
+    """A forked child is another job: none of the parent's claims, a fresh lock (the parent's
+    heartbeat thread may have held it at the fork) and no thread yet."""
+    global _mutex, _identity, _thread
+    _mutex = threading.Lock()
+    _held.clear()
+    _identity = None
+    _thread = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _release() -> None:
     """At a normal exit: remove this process's claims (a killed process's go stale)."""

@@ -102,11 +102,12 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
     what = f"save_checkpoint(step {step} into {root})"
     first = _rank(process_group) == 0
     nothing = " Nothing was written."
-    digests = agree(what, _check_before_save, state_dict, allow_nonfinite, group=process_group, after=nothing,
-                    everyone=True)
+    digests = agree(what, _check_before_save, state_dict, allow_nonfinite, process_group, group=process_group,
+                    after=nothing, everyone=True)
     agree(what, refuse_divergence, digests, group=process_group, after=nothing)
     partial = agree(what, lambda: _named(prepare_save, root, name) if first else partial_dir(root, name),
-                    group=process_group, after=nothing)
+                    group=process_group, after=" This save wrote nothing: `latest` and every complete step directory "
+                                               "are as before.")
     try:
         agree(what, _dcp_save, state_dict, partial, process_group, group=process_group,
               after=" Nothing was committed: `latest` and every step directory are as before this save, and its "
@@ -128,11 +129,13 @@ def _named(fn, *args):
         raise CheckpointError(os_error_text(err)) from err
 
 
-def _check_before_save(state_dict: dict, allow_nonfinite: bool) -> dict:
-    """This rank's part of the checks before a save; returns its digests of the replicated entries."""
+def _check_before_save(state_dict: dict, allow_nonfinite: bool, group) -> dict:
+    """This rank's part of the checks before a save; returns its digests of the entries DCP stores
+    once for several ranks (none on one rank: nothing to compare)."""
     if not allow_nonfinite:
         _refuse_nonfinite_masters(state_dict)
-    return replica_digests(state_dict)
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return replica_digests(state_dict) if several else {}
 
 
 #: the state key of an FP8 parameter's master in ``MasterWeightOptimizer``'s state
@@ -252,12 +255,12 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
 
 
 def _open(path: str, verify: bool | None) -> _Opened:
-    for name in (METADATA_FILE, CHECKSUMS_FILE):
-        check_inside(path, os.path.join(path, name), "a checkpoint's file")
+    check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
     metadata = read_metadata(path)
     check_files(path, metadata)
     if verify is False:
         return _Opened(metadata, None)
+    check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
     try:
         checksums = read_checksums(path)
     except ChecksumFileError as err:

@@ -24,7 +24,10 @@ DCP writes one copy of a plain value, and of a tensor that is not sharded, for a
 planner de-duplicates them): a value that differs between ranks would be saved as one rank's, and
 every rank would load that one. So ``save_checkpoint`` compares each rank's digest of each such
 entry, and of each replica of a replicated DTensor chunk, and refuses a difference naming the
-entry and the ranks (``replica_digests`` / ``refuse_divergence``).
+entry and the ranks (``replica_digests`` / ``refuse_divergence``). The cost is one checksum pass
+over those entries (``checksum.py``'s, 10-19 GB/s on the CPU) and a pickle of each plain value:
+nothing for the sharded entries of FSDP2 state dicts, a pass over the replicated shards under
+HSDP; none on one rank.
 """
 
 from __future__ import annotations
