@@ -110,8 +110,8 @@ def _claim_of_another_host(root):
 def test_another_hosts_claim_is_judged_by_its_heartbeat(tmp_path, monkeypatch):
     """A claim of another host: refused while its heartbeat (the file's mtime, against the file
     system's clock) is seen to beat; taken over once it has not beaten for the stale limit."""
-    monkeypatch.setenv(owner.HEARTBEAT_ENV, "0.1")
-    monkeypatch.setenv(owner.STALE_ENV, "0.6")
+    monkeypatch.setattr(owner, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(owner, "STALE_S", 0.6)
     root = str(tmp_path / "ckpt")
     file = _claim_of_another_host(root)
     stop = threading.Event()

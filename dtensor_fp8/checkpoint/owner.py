@@ -7,8 +7,8 @@ and each of their saves can return normally while every committed step is a mix 
 first save of a job (its rank 0 process) claims the root: it creates ``root/.owner`` (a temporary
 file hard-linked into place, which fails if the file exists: atomic on local and network file
 systems), holding who the job is (host, pid, start time, command line). A daemon thread of that
-process touches the file every ``DTENSOR_FP8_CHECKPOINT_HEARTBEAT_S`` seconds (default 5) while the
-process lives, and removes it at exit.
+process touches the file every :data:`HEARTBEAT_S` seconds (5) while the process lives, and
+removes it at exit.
 
 A save that finds another job's claim decides whether that job is alive:
 
@@ -17,7 +17,7 @@ A save that finds another job's claim decides whether that job is alive:
   has another start time);
 - a process of another host: alive while its heartbeat beats. Its heartbeat (the file's mtime, compared with the mtime of a probe file written now, so
   both come from the file system's clock and hosts' clocks do not matter) is older than
-  ``DTENSOR_FP8_CHECKPOINT_STALE_S`` seconds (default 30): dead;
+  :data:`STALE_S` seconds (30): dead;
 - else the save watches the file until it is touched again (the job is alive: the save is
   refused on every rank, naming the job, before anything is written) or its heartbeat grows older
   than the stale limit (dead), so it waits at most that long.
@@ -44,8 +44,10 @@ import warnings
 from .errors import CheckpointError
 
 OWNER_FILE = ".owner"
-HEARTBEAT_ENV = "DTENSOR_FP8_CHECKPOINT_HEARTBEAT_S"
-STALE_ENV = "DTENSOR_FP8_CHECKPOINT_STALE_S"
+#: seconds between two touches of a held claim (read at each beat)
+HEARTBEAT_S = 5.0
+#: seconds without a heartbeat after which another host's claim is dead (at least 3 heartbeats)
+STALE_S = 30.0
 
 _mutex = threading.Lock()
 _held: dict[str, str] = {}  # realpath(root) -> owner file, the roots this process has claimed
@@ -54,12 +56,11 @@ _thread: threading.Thread | None = None
 
 
 def settings() -> tuple[float, float]:
-    """``(heartbeat_s, stale_s)`` from the environment (defaults 5 and 30; stale at least 3 beats)."""
-    beat = float(os.environ.get(HEARTBEAT_ENV, "5"))
-    stale = float(os.environ.get(STALE_ENV, "30"))
+    """``(HEARTBEAT_S, STALE_S)``, checked: the stale limit must span several heartbeats."""
+    beat, stale = float(HEARTBEAT_S), float(STALE_S)
     if beat <= 0 or stale < 3 * beat:
-        raise CheckpointError(f"{HEARTBEAT_ENV}={beat} and {STALE_ENV}={stale}: the heartbeat must be positive and "
-                              "the stale limit at least 3 heartbeats (a live job must beat several times before "
+        raise CheckpointError(f"owner.HEARTBEAT_S={beat} and owner.STALE_S={stale}: the heartbeat must be positive "
+                              "and the stale limit at least 3 heartbeats (a live job must beat several times before "
                               "another may judge it dead)")
     return beat, stale
 
