@@ -33,7 +33,7 @@ def _save(root, step=1, recipe="mxfp8", train=1):
     return _full_planes(model, opt)
 
 
-def _try_load(path, recipe="mxfp8", strict=True, verify=None):
+def _try_load(path, recipe="mxfp8", strict=True, verify=True):
     """Load into a fresh model; return (error class and message, or None; whether the model is untouched)."""
     model, opt = _build(recipe, "reshard")
     before = _full_planes(model, opt)
@@ -252,7 +252,7 @@ class _RunsCommand:
         return os.system, (f"touch {self.marker}",)
 
 
-def _load_msg(path, verify=None):
+def _load_msg(path, verify=True):
     try:
         d.load_checkpoint({"step": 0, "x": torch.zeros(4)}, path, verify=verify, strict=False)
     except CheckpointError as err:
