@@ -429,7 +429,7 @@ def _async_save(root, recipe_name):
 def _load_path(root, recipe_name):
     model, opt = _build(recipe_name, "reshard")
     state = _app_state(model, opt)
-    d.load_checkpoint(state, root)
+    d.load_checkpoint(state, root, verify=False)  # dcp.async_save writes no checksums
     _restore(model, opt, state)
     return _full_planes(model, opt)
 

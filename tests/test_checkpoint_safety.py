@@ -33,7 +33,7 @@ def _save(root, step=1, recipe="mxfp8", train=1):
     return _full_planes(model, opt)
 
 
-def _try_load(path, recipe="mxfp8", strict=True, verify=None):
+def _try_load(path, recipe="mxfp8", strict=True, verify=True):
     """Load into a fresh model; return (error class and message, or None; whether the model is untouched)."""
     model, opt = _build(recipe, "reshard")
     before = _full_planes(model, opt)
@@ -103,7 +103,7 @@ def test_rank_killed_during_resave_keeps_latest_complete(pools):
         assert error is None
         _assert_same(planes, expected)
     pools[WORLD].run(_save_step, ckpt, 2)
-    assert sorted(os.listdir(ckpt)) == ["latest", "step-00000001", "step-00000002"]
+    assert sorted(os.listdir(ckpt)) == [".owner", "latest", "step-00000001", "step-00000002"]
 
 
 def _resave(root):
@@ -115,7 +115,7 @@ def _resave(root):
 def test_resave_replaces_the_step_whole(pools, tmp_path):
     root = str(tmp_path / "ckpt")
     first, second = pools[WORLD].run(_resave, root)[0]
-    assert sorted(os.listdir(root)) == ["latest", "step-00000001"]
+    assert sorted(os.listdir(root)) == [".owner", "latest", "step-00000001"]
     for error, _, planes in pools[WORLD].run(_try_load, d.latest_checkpoint(root)):
         assert error is None
         _assert_same(planes, second)
@@ -151,7 +151,7 @@ def test_write_error_on_one_rank_raises_on_every_rank(pools, tmp_path):
         assert "rank 1: OSError: disk full (injected)." in msg and "Traceback" not in msg and len(msg) < 1000, msg
         assert "every rank" not in msg
         assert "Nothing was committed" in msg
-    assert sorted(os.listdir(root)) == ["latest", "step-00000001"]  # no partial directory left
+    assert sorted(os.listdir(root)) == [".owner", "latest", "step-00000001"]  # no partial directory left
     assert d.latest_checkpoint(root).endswith("step-00000001")
 
 
@@ -236,7 +236,7 @@ def test_swap_cut_between_its_renames_resolves_and_is_repaired(tmp_path):
     d.load_checkpoint(state, found)
     assert torch.equal(state["x"], torch.full((3,), 2.0))
     d.save_checkpoint({"x": torch.full((3,), 3.0)}, str(root), 2)
-    assert sorted(os.listdir(root)) == ["latest", "step-00000001", "step-00000002"]
+    assert sorted(os.listdir(root)) == [".owner", "latest", "step-00000001", "step-00000002"]
     d.load_checkpoint(state, str(root / "step-00000001"))
     assert torch.equal(state["x"], torch.full((3,), 2.0))
 
@@ -252,7 +252,7 @@ class _RunsCommand:
         return os.system, (f"touch {self.marker}",)
 
 
-def _load_msg(path, verify=None):
+def _load_msg(path, verify=True):
     try:
         d.load_checkpoint({"step": 0, "x": torch.zeros(4)}, path, verify=verify, strict=False)
     except CheckpointError as err:
@@ -306,7 +306,7 @@ def test_crafted_value_entry_runs_nothing(tmp_path):
     path = str(tmp_path / "ckpt")
     marker = tmp_path / "pwned"
     dcp.save({"x": torch.arange(4.0), "step": _RunsCommand(str(marker))}, checkpoint_id=path)
-    kind, msg = _load_msg(path)
+    kind, msg = _load_msg(path, verify=False)  # plain DCP writes no checksums
     assert kind == "UnsafeCheckpointError" and "'step'" in msg and "posix.system" in msg and not marker.exists(), msg
     dcp.load({"x": torch.zeros(4), "step": 0}, checkpoint_id=path)  # the payload is live: plain DCP runs it
     assert marker.exists()
@@ -500,15 +500,18 @@ def test_checksum_block_sums_wrap_like_torch():
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_verification_policy(tmp_path):
-    """verify=None checks what has checksums, verify=True requires them, a damaged checksums.json
-    is named (and verify=False still loads the checkpoint)."""
+    """Verification by default: a checkpoint without checksums (plain dcp.save) is refused naming
+    the file and the switch, and loads with verify=False; a damaged checksums.json is named (and
+    verify=False still loads the checkpoint)."""
     plain = str(tmp_path / "plain")
     dcp.save({"x": torch.arange(4.0)}, checkpoint_id=plain)  # plain DCP: no checksums
     state = {"x": torch.zeros(4)}
-    d.load_checkpoint(state, plain)
+    for verify in (True, None):
+        with pytest.raises(CheckpointError, match=f"{CHECKSUMS_FILE} is missing.*verify=False"):
+            d.load_checkpoint(state, plain, verify=verify)
+        assert torch.equal(state["x"], torch.zeros(4))
+    d.load_checkpoint(state, plain, verify=False)
     assert torch.equal(state["x"], torch.arange(4.0))
-    with pytest.raises(CheckpointError, match=f"has no {CHECKSUMS_FILE}.*verify=None or False"):
-        d.load_checkpoint(state, plain, verify=True)
     root = str(tmp_path / "ckpt")
     d.save_checkpoint({"x": torch.arange(4.0)}, root, 1)
     path = d.latest_checkpoint(root)

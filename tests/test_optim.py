@@ -431,12 +431,17 @@ def _nan_master_in_checkpoint(root):
     fresh, fresh_opt = build()
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
     state = {"model": model_sd, "optim": optim_sd}
-    d.load_checkpoint(state, d.latest_checkpoint(root))
+    try:  # load_checkpoint refuses it before writing anything
+        d.load_checkpoint(state, d.latest_checkpoint(root))
+        out["load"] = "loaded"
+    except d.CheckpointError as err:
+        out["load"] = str(err)
+    d.load_checkpoint(state, d.latest_checkpoint(root), allow_nonfinite=True)  # forced: the optimizer refuses it
     try:
         set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        out["load"] = "loaded"
+        out["set"] = "loaded"
     except FloatingPointError as err:
-        out["load"] = str(err)
+        out["set"] = str(err)
     return out
 
 
@@ -449,4 +454,5 @@ def test_non_finite_masters_are_neither_saved_nor_loaded_on_any_rank(pools, tmp_
     for out in outs:
         assert "refusing to save" in out["save"] and "fc1.weight" in out["save"] and "allow_nonfinite" in out["save"], out
         assert out["latest"] == "step-00000001" and out["forced"] == "step-00000002", out
-        assert "master of fc1.weight holds NaN or Inf" in out["load"], out
+        assert "master of fc1.weight holds NaN or Inf" in out["load"] and "allow_nonfinite" in out["load"], out
+        assert "master of fc1.weight holds NaN or Inf" in out["set"], out

@@ -113,8 +113,8 @@ def _worker(rank: int, world: int, store: str, gib: float, reps: int, out: str) 
     import dtensor_fp8 as d
     from dtensor_fp8.checkpoint.checksum import copy_with_checksum, tensor_checksum
     from dtensor_fp8._compat import flatten_state_dict
-    from dtensor_fp8.checkpoint.dcp_io import (ChecksumFileSystemWriter, ChecksumSavePlanner, SafeFileSystemReader,
-                                               SafeLoadPlanner, read_metadata)
+    from dtensor_fp8.checkpoint.dcp_io import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+    from dtensor_fp8.checkpoint.dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner
     from dtensor_fp8.checkpoint.checksum import read_checksums
 
     warnings.filterwarnings("ignore")  # DCP's overwrite / planner notices

@@ -1,4 +1,5 @@
-"""DCP reading and writing that runs no code, verifies checksums and names the entry at fault.
+"""DCP reading that runs no code, verifies checksums and names the entry at fault (writing:
+``dcp_write.py``).
 
 The checkpoint package reaches DCP's internals only through ``dtensor_fp8/_compat.py`` (the
 metadata globals allow-list, a stored item's byte stream, ``flatten_state_dict`` /
@@ -29,26 +30,25 @@ load planner, and ``DefaultLoadPlanner`` reads them with ``weights_only=False``.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
 import re
 from collections import deque
-from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from .._compat import DCP_METADATA_GLOBALS, dcp_item_stream
-from .checksum import bytes_checksum, copy_with_checksum, entry_key, tensor_checksum, write_checksums
-from .dirs import METADATA_FILE
-from .errors import CheckpointError, UnsafeCheckpointError
+from .checksum import CHECKSUMS_FILE, bytes_checksum, copy_with_checksum, entry_key, tensor_checksum
+from .dcp_write import done as _done
+from .dirs import METADATA_FILE, check_inside
+from .errors import CheckpointError, UnsafeCheckpointError, os_error_text
+from .values import MAX_VALUE_BYTES, scan_value_pickle
 
 # ---- .metadata without running code -----------------------------------------------------------------------
 def _torch_dtype_names() -> frozenset[str]:
@@ -141,12 +141,26 @@ def _entries_of_files(metadata: Metadata) -> dict[str, list]:
 
 
 def check_files(checkpoint_dir: str, metadata: Metadata) -> None:
-    """Every file ``.metadata`` refers to exists and holds the bytes its entries need: a missing or
-    truncated rank file is named (with its entries) before any collective starts reading."""
+    """Every file ``.metadata`` refers to is a plain name inside ``checkpoint_dir`` (no symlink
+    leading out), exists and holds the bytes its entries need, and no plain value claims more than
+    a value may take: a missing, truncated or crafted file is named (with its entries) before any
+    collective starts reading."""
     for relative, items in sorted(_entries_of_files(metadata).items()):
         file = os.path.join(checkpoint_dir, relative)
         names = sorted({index.fqn for index, _ in items})
         shown = ", ".join(names[:6]) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
+        if not isinstance(relative, str) or relative in ("", ".", "..") or os.path.basename(relative) != relative \
+                or "\0" in relative or (os.altsep and os.altsep in relative):
+            raise CheckpointError(f"{os.path.join(checkpoint_dir, METADATA_FILE)} places {shown} in {relative!r}, which is "
+                                  "not a file name inside the checkpoint directory (DCP writes only such names): the "
+                                  "metadata is crafted or damaged; restore it from a copy")
+        check_inside(checkpoint_dir, file, "a checkpoint's file")
+        for index, info in items:
+            if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata) \
+                    and info.length > MAX_VALUE_BYTES:
+                raise CheckpointError(
+                    f"entry {index.fqn!r} in {file}: .metadata gives this plain value {info.length} stored bytes, above "
+                    f"the {MAX_VALUE_BYTES} a value may take (a crafted size?); restore .metadata from a copy")
         try:
             size = os.path.getsize(file)
         except OSError:
@@ -156,8 +170,29 @@ def check_files(checkpoint_dir: str, metadata: Metadata) -> None:
         needed = max(info.offset + info.length for _, info in items)
         if size < needed:
             raise CheckpointError(
-                f"{file}{file_rank_note(relative)} is {size} bytes, its entries ({shown}) need {needed}: truncated (an interrupted copy, a full "
-                "disk?). Restore it from a copy, or load another checkpoint.")
+                f"{file}{file_rank_note(relative)} is {size} bytes, its entries ({shown}) need {needed}: truncated (an "
+                "interrupted copy, a full disk?), or .metadata claims more than was written (crafted?). Restore it "
+                "from a copy, or load another checkpoint.")
+
+
+def check_coverage(checkpoint_dir: str, metadata: Metadata, checksums: dict) -> None:
+    """``checksums.json`` holds a checksum for every stored item of ``.metadata``, in the file
+    ``.metadata`` places it, and nothing else: else verification would pass over what it lacks."""
+    stored = {entry_key(index.fqn, index.offset): info.relative_path for index, info in metadata.storage_data.items()}
+    file = os.path.join(checkpoint_dir, CHECKSUMS_FILE)
+    fix = ("restore both files from a copy of the checkpoint, or load it unverified, knowingly, with verify=False")
+    lacking = sorted(k for k in stored if k not in checksums)
+    extra = sorted(k for k in checksums if k not in stored)
+    if lacking or extra:
+        parts = ([f"lacks the checksums of {len(lacking)} stored item(s) ({', '.join(lacking[:6])})"] if lacking else []) \
+            + ([f"has {len(extra)} item(s) .metadata does not store ({', '.join(extra[:6])})"] if extra else [])
+        raise CheckpointError(f"{file} {' and '.join(parts)}: it does not cover this checkpoint (edited, or from "
+                              f"another save), so those items could not be verified; {fix}")
+    moved = sorted(k for k, rel in stored.items()
+                   if not isinstance(checksums[k], dict) or checksums[k].get("file") != rel)
+    if moved:
+        raise CheckpointError(f"{file} places {len(moved)} item(s) in other files than .metadata does "
+                              f"({', '.join(moved[:6])}): the two files are not of one save; {fix}")
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -168,8 +203,10 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 def _unreadable(where: str, err: BaseException) -> CheckpointError:
-    return CheckpointError(f"{where} could not be read ({type(err).__name__}: {str(err).splitlines()[0][:300]}): the "
-                           "file is damaged or not this checkpoint's; restore it from a copy, or load another checkpoint")
+    cause = (os_error_text(err) if isinstance(err, OSError) and err.errno
+             else f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}")
+    return CheckpointError(f"{where} could not be read ({cause}): the file is damaged or not this checkpoint's; "
+                           "restore it from a copy, or load another checkpoint")
 
 
 def _commit(future, planner) -> None:
@@ -242,8 +279,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 try:
                     stream = self.fs.create_stream(file, "rb")
                 except OSError as err:
-                    raise CheckpointError(f"{file} cannot be opened{file_rank_note(relative)} ({type(err).__name__}: "
-                                          f"{err}); restore it from a copy, or load another checkpoint") from None
+                    raise CheckpointError(f"{file} cannot be opened{file_rank_note(relative)} ({os_error_text(err)}); "
+                                          "restore it from a copy, or load another checkpoint") from None
                 with stream as f:
                     for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                         step = self._read_item(f, relative, req, planner)
@@ -274,8 +311,12 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         try:
             raw = dcp_item_stream(self, stream, info, req)
             if req.type == LoadItemType.BYTE_IO:
+                if info.length > MAX_VALUE_BYTES:
+                    raise CheckpointError(f"{where}: a plain value of {info.length} stored bytes, above the "
+                                          f"{MAX_VALUE_BYTES} a value may take (a crafted size?)")
                 data = raw.read(-1)
                 self._verify(index, where, lambda: bytes_checksum(data), len(data))
+                scan_value_pickle(data, where)
                 try:
                     planner.load_bytes(req, io.BytesIO(data))
                 except pickle.UnpicklingError as err:
@@ -353,112 +394,3 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value):
         self._target[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
-
-
-# ---- writing: a checksum per stored item ----------------------------------------------------------------
-class ChecksumSavePlanner(dcp.DefaultSavePlanner):
-    """DCP's default save planner that records the checksum of every item as DCP writes it (the
-    bytes DCP gets from ``resolve_data``: a tensor chunk, or a value's ``torch.save`` bytes).
-
-    A CPU tensor's checksum runs on a worker thread (numpy releases the GIL) while DCP serializes
-    and writes the same tensor, so it hides behind DCP's own work where a core is free;
-    :meth:`collect` waits for them.
-    """
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._pending: dict = {}
-        self._pool = None
-
-    def resolve_data(self, write_item):
-        data = super().resolve_data(write_item)
-        if isinstance(data, torch.Tensor):
-            nbytes = data.numel() * data.element_size()
-            if data.device.type == "cpu":
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="dtensor_fp8-checksum")
-                self._pending[write_item.index] = (self._pool.submit(tensor_checksum, data), nbytes)
-            else:  # torch's reduction on the device; only the block sums come back
-                self._pending[write_item.index] = (_done(tensor_checksum(data)), nbytes)
-        else:
-            with data.getbuffer() as view:
-                self._pending[write_item.index] = (_done(bytes_checksum(view)), view.nbytes)
-        return data
-
-    def collect(self) -> dict:
-        """``{index: (checksum, nbytes)}`` of every item resolved so far (waits for the worker)."""
-        try:
-            return {index: (future.result(), nbytes) for index, (future, nbytes) in self._pending.items()}
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-
-
-def _done(value):
-    future: ConcurrentFuture = ConcurrentFuture()
-    future.set_result(value)
-    return future
-
-
-@dataclasses.dataclass(frozen=True)
-class _Checksummed:
-    """A write result's storage info with its item's checksum, on the way to the coordinator (DCP
-    gathers write results); unwrapped before ``.metadata`` is written."""
-
-    info: object
-    checksum: str
-    nbytes: int
-
-
-class ChecksumFileSystemWriter(dcp.FileSystemWriter):
-    """``FileSystemWriter`` that writes ``checksums.json`` (the checksum of every item, from a
-    :class:`ChecksumSavePlanner`) before DCP's ``.metadata``, which stays DCP's own classes only.
-
-    Example:
-        >>> dcp.save(state, storage_writer=ChecksumFileSystemWriter(path), planner=ChecksumSavePlanner())
-    """
-
-    def write_data(self, plan, planner):
-        if not isinstance(planner, ChecksumSavePlanner):
-            raise TypeError("ChecksumFileSystemWriter needs a ChecksumSavePlanner (it records the checksums)")
-        try:
-            results = super().write_data(plan, planner).wait()
-        finally:
-            checksums = planner.collect()
-        wrapped = [dataclasses.replace(r, storage_data=_Checksummed(r.storage_data, *checksums[r.index]))
-                   for r in results]
-        fut: Future = Future()
-        fut.set_result(wrapped)
-        return fut
-
-    def finish(self, metadata, results) -> None:
-        plain, entries = [], {}
-        for rank_results in results:
-            row = []
-            for r in rank_results:
-                if isinstance(r.storage_data, _Checksummed):
-                    entries[entry_key(r.index.fqn, r.index.offset)] = {
-                        "checksum": r.storage_data.checksum, "nbytes": r.storage_data.nbytes,
-                        "file": r.storage_data.info.relative_path}
-                    r = dataclasses.replace(r, storage_data=r.storage_data.info)
-                row.append(r)
-            plain.append(row)
-        write_checksums(os.fspath(self.path), entries, sync=self.sync_files)
-        super().finish(metadata, plain)
-
-
-def describe_dcp_failure(err: CheckpointException) -> str:
-    """The message of each rank's exception inside DCP's ``CheckpointException`` (no tracebacks)."""
-    parts = []
-    for rank, failure in sorted(err.failures.items()):
-        exc = failure[0] if isinstance(failure, tuple) else failure
-        text = str(exc).strip() if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {str(exc).strip()[:500]}"
-        parts.append(f"rank {rank}: {text}")
-    return "; ".join(parts) or "DCP reported a failure without details"
-
-
-def dcp_failure_class(err: CheckpointException) -> type[CheckpointError]:
-    """:class:`UnsafeCheckpointError` when that is what every failing rank raised, else :class:`CheckpointError`."""
-    kinds = {type(f[0] if isinstance(f, tuple) else f) for f in err.failures.values()}
-    return UnsafeCheckpointError if kinds == {UnsafeCheckpointError} else CheckpointError

@@ -17,7 +17,11 @@ a rank that dies during a save leaves the previous directory and ``latest`` as t
 moment between the two renames of a re-save (rank 0 killed there) leaves ``step-<n>`` missing and
 both others complete; :func:`resolve_latest` then returns the new, complete ``.partial``, and the
 next save renames it back in place (:func:`prepare_save`). The next save also removes partial and
-old directories that killed saves left. One job saves into a root at a time.
+old directories that killed saves left.
+
+One job saves into a root at a time: rank 0 holds ``root/.owner`` while the job lives (``owner.py``);
+a save of another live job is refused before anything is written. Step directories and the files
+in them must resolve inside their root: a symlink leading out of it is refused, never followed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import re
 import shutil
 
+from . import owner
 from .errors import CheckpointError
 
 LATEST = "latest"
@@ -97,10 +102,31 @@ def read_latest(root: str) -> str:
     return checked_name(text.strip(), root)
 
 
+def escapes(root: str, path: str) -> str | None:
+    """Where ``path`` (an entry of the directory ``root``) really is, if a symlink leads it out of
+    ``root``; None when it resolves directly inside ``root`` (or does not exist)."""
+    if not os.path.lexists(path):
+        return None
+    real = os.path.realpath(path)
+    return None if os.path.dirname(real) == os.path.realpath(root) else real
+
+
+def check_inside(root: str, path: str, what: str) -> None:
+    """A :class:`CheckpointError` if ``path`` is a symlink leading out of ``root``."""
+    real = escapes(root, path)
+    if real is not None:
+        raise CheckpointError(
+            f"{path} is a symlink to {real}, outside {root}: {what} must lie in its own directory, and a link "
+            "leading out of it is not followed (it would load or overwrite files of another checkpoint, or "
+            "anything else). Fix: replace the link by a copy of the directory or file it names")
+
+
 def resolve_latest(root: str) -> str:
     """The complete checkpoint directory ``root/latest`` names (read-only; see the note)."""
     name = read_latest(root)
     path = os.path.join(root, name)
+    for candidate in (path, partial_dir(root, name), _old_dir(root, name)):
+        check_inside(root, candidate, f"a step directory of {root}")
     if is_complete(path):
         return path
     if not os.path.exists(path):
@@ -146,22 +172,31 @@ def prepare_save(root: str, name: str) -> str:
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"checkpoint root {root} exists and is not a directory: pass a directory path as root")
     os.makedirs(root, exist_ok=True)
+    owner.acquire(root)  # before anything is changed: another live job's save is refused here
     try:
         current = read_latest(root)
     except CheckpointError:  # no valid pointer yet: nothing to repair
         current = None
-    if current is not None and not os.path.exists(os.path.join(root, current)):
+    if current is not None and not os.path.lexists(os.path.join(root, current)):
         for interrupted in (partial_dir(root, current), _old_dir(root, current)):
-            if is_complete(interrupted):
+            if is_complete(interrupted) and escapes(root, interrupted) is None:
                 os.rename(interrupted, os.path.join(root, current))
                 break
     for entry in os.listdir(root):
-        if _AUX.match(entry) and os.path.isdir(os.path.join(root, entry)):
-            shutil.rmtree(os.path.join(root, entry))
+        if _AUX.match(entry):
+            _remove(os.path.join(root, entry))
     path = partial_dir(root, name)
     os.makedirs(path)
     _fsync_dir(root)
     return path
+
+
+def _remove(path: str) -> None:
+    """Remove a directory tree, or only the link where ``path`` is a symlink (never what it names)."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
 
 
 def commit_save(root: str, name: str) -> str:
@@ -172,6 +207,7 @@ def commit_save(root: str, name: str) -> str:
         The checkpoint directory.
     """
     final, partial = os.path.join(root, name), partial_dir(root, name)
+    owner.check(root)  # still this job's root (a paused job may have lost it to another)
     if not is_complete(partial):
         raise CheckpointError(f"{partial} has no {METADATA_FILE} after every rank finished writing: refusing to "
                               "swap it in (was it removed or written to by another job?)")
@@ -183,10 +219,41 @@ def commit_save(root: str, name: str) -> str:
     _fsync_dir(root)
     _write_latest(root, name)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            _remove(old)
+        except OSError:  # the next save removes it
+            pass
     return final
 
 
 def discard_save(root: str, name: str) -> None:
     """Rank 0, after a save failed on some rank (every rank stopped writing): remove its partial directory."""
-    shutil.rmtree(partial_dir(root, name), ignore_errors=True)
+    try:
+        _remove(partial_dir(root, name))
+    except OSError:  # the next save removes it
+        pass
+
+
+def commit_outcome(root: str, name: str) -> str:
+    """What a commit of ``name`` that failed or was cut short (a rank killed, a fault after the swap)
+    left in ``root``, read from the disk: a sentence for the error every surviving rank raises."""
+    final, partial, old = os.path.join(root, name), partial_dir(root, name), _old_dir(root, name)
+    try:
+        latest = read_latest(root)
+    except CheckpointError:
+        latest = None
+    pointer = f"`latest` names {latest!r}" if latest else "`latest` names nothing valid"
+    if is_complete(partial) and not os.path.lexists(final):
+        return (f"The swap was cut between its two renames: {final} is missing and the new state is complete in "
+                f"{partial}; latest_checkpoint({root!r}) returns it and the next save renames it in place.")
+    if not os.path.lexists(partial) and is_complete(final):
+        if latest == name:
+            left = f" ({old}, the step's previous copy, is left for the next save to remove)" if os.path.lexists(old) else ""
+            return f"The new state is committed: {final} holds it and {pointer}{left}."
+        return (f"The new state is complete in {final}, but {pointer} (the pointer was not rewritten): "
+                f"latest_checkpoint({root!r}) returns {latest or 'nothing'}; load {final} directly, or save again "
+                "to point `latest` at a new step.")
+    if os.path.lexists(partial):
+        return (f"Nothing was committed: {pointer} as before, and the partial directory {partial} is left for the "
+                "next save to remove.")
+    return f"{final} {'is complete' if is_complete(final) else 'is not complete'} and {pointer}."

@@ -15,14 +15,11 @@ the others to the group timeout: nothing is left to report; they then raise "los
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch.distributed as dist
 
 from ..formats.base import RecipeError
-
-T = TypeVar("T")
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be saved or loaded as asked.
@@ -81,7 +78,8 @@ def combined_error(what: str, failures: dict[int, tuple], world: int, after: str
     return _error_class({f[0] for f in failures.values()})(msg + after)
 
 
-def agree(what: str, fn: Callable[..., T], *args, group=None, after: str = "") -> T:
+def agree(what: str, fn: Callable, *args, group=None, after: str = "",
+          outcome: Callable[[], str] | None = None, everyone: bool = False):
     """Run ``fn(*args)`` on this rank, then raise the same error on every rank if it failed on any.
 
     Call it on every rank of ``group`` at the same point (it is a collective). Without an
@@ -92,9 +90,13 @@ def agree(what: str, fn: Callable[..., T], *args, group=None, after: str = "") -
         fn: the step; its exceptions (``Exception``, and DCP's ``CheckpointException``) are caught.
         group: the process group (default: the default group).
         after: appended to the message when a rank failed (what the failure left behind).
+        outcome: called on every surviving rank when a rank failed or died, instead of ``after``:
+            a sentence saying what the failure left behind, read from the disk at that moment (a
+            commit that a kill cut short may or may not have swapped its step in).
+        everyone: return the list of every rank's result (in rank order), gathered with the reports.
 
     Returns:
-        ``fn``'s result on this rank.
+        ``fn``'s result on this rank (every rank's, with ``everyone``).
 
     Example:
         >>> agree("save_checkpoint(ckpt, 2)", prepare_dirs if rank == 0 else lambda: None)
@@ -108,22 +110,62 @@ def agree(what: str, fn: Callable[..., T], *args, group=None, after: str = "") -
     except (Exception, CheckpointException) as err:  # noqa: BLE001  (reported to every rank below)
         error = err
     report = None if error is None else (type(error).__name__, _message(error), getattr(error, "names_ranks", False))
+    sent = (report, result if everyone and error is None else None)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         world = dist.get_world_size(group)
-        reports: list = [None] * world
+        gathered: list = [None] * world
         try:
-            dist.all_gather_object(reports, report, group=group)
+            dist.all_gather_object(gathered, sent, group=group)
         except Exception as comm:  # noqa: BLE001  (a rank died, or the group timed out)
             own = f"; this rank's own error: {report[1]}" if report else ""
+            left = (" " + _outcome(outcome)) if outcome is not None else (
+                " Nothing was committed by this step; the next save_checkpoint removes what it left.")
             lost = CheckpointError(
                 f"{what}: lost contact with the other ranks ({type(comm).__name__}: {str(comm).splitlines()[0][:200]})"
-                f"{own}. A rank died or hangs (killed, out of memory?); nothing was committed by this step. "
-                "Restart the job; the next save_checkpoint removes what this one left.")
+                f"{own}. A rank died or hangs (killed, out of memory?).{left} Restart the job.")
             lost.ranks_lost = True
             raise lost from (error or comm)
     else:
-        world, reports = 1, [report]
-    failures = {rank: r for rank, r in enumerate(reports) if r is not None}
+        world, gathered = 1, [sent]
+    failures = {rank: r for rank, (r, _) in enumerate(gathered) if r is not None}
     if failures:
+        if outcome is not None:
+            after = " " + _outcome(outcome)
         raise combined_error(what, failures, world, after) from error
-    return result  # type: ignore[return-value]
+    return [r for _, r in gathered] if everyone else result
+
+
+def _outcome(outcome: Callable[[], str]) -> str:
+    try:
+        return outcome()
+    except Exception as err:  # noqa: BLE001  (the disk cannot be read: say so, keep the first error)
+        return f"What it left on disk could not be read ({type(err).__name__}: {err})."
+
+
+def os_error_text(err: OSError, file=None) -> str:
+    """``err`` as a sentence naming its errno (``ENOSPC``), the file, and for a full or read-only
+    file system the free space and the fix.
+
+    Example:
+        >>> os_error_text(OSError(28, "No space left on device"), "ckpt/.step-00000002.partial/__0_0.distcp")
+    """
+    import errno as errno_names
+    import os
+
+    file = os.fspath(file) if file is not None else getattr(err, "filename", None)
+    code = errno_names.errorcode.get(err.errno, f"errno {err.errno}") if err.errno else type(err).__name__
+    text = f"{code} ({err.strerror or err})" + (f" on {file}" if file else "")
+    if err.errno in (errno_names.ENOSPC, errno_names.EDQUOT) and file:
+        where = os.path.dirname(os.fspath(file)) or "."
+        try:
+            st = os.statvfs(where)
+            free = f"{st.f_bavail * st.f_frsize} bytes free of {st.f_blocks * st.f_frsize}"
+        except OSError:
+            free = "free space unknown"
+        text += (f": the file system (or quota) holding {where} is full ({free}). Fix: free space there or save "
+                 "into a root on another file system")
+    elif err.errno == errno_names.EIO:
+        text += ": the device or network file system failed the operation; check it (dmesg, the storage's status)"
+    elif err.errno == errno_names.EROFS:
+        text += ": the file system is mounted read-only"
+    return text

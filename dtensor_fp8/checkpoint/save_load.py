@@ -1,11 +1,12 @@
 """``save_checkpoint`` / ``load_checkpoint`` / ``latest_checkpoint``: DCP checkpoints that are atomic
-per step, run no code when opened, detect corruption, and fail alike on every rank with errors that
-name the entry, file and rank at fault.
+per step, saved by one job per root, run no code when opened, detect corruption, load all or
+nothing, and fail alike on every rank with errors that name the entry, file and rank at fault.
 
 The state dicts are torch's own (``torch.distributed.checkpoint.state_dict.get_state_dict``, or
 ``model.state_dict()`` / ``optimizer.state_dict()``, plus any plain values); how an FP8 weight
 appears in them is ``dtensor_fp8/state_dict.py``'s note. The directories are ``dirs.py``'s note,
-the reading and writing ``dcp_io.py``'s, the checksums ``checksum.py``'s, and errors on every rank
+the claim on a root ``owner.py``'s, the reading ``dcp_io.py``'s, the writing ``dcp_write.py``'s,
+the checksums ``checksum.py``'s, plain values ``values.py``'s, and errors on every rank
 ``errors.py``'s.
 """
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from .._compat import flatten_state_dict, set_state_dict_element
@@ -27,18 +28,21 @@ from ..param_state import is_operand_state_entry
 from ..placement import like, local_tensor
 from ..state_dict import RECIPE_KEY, check_saved_recipe
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
-from .dcp_io import (
-    ChecksumFileSystemWriter,
-    ChecksumSavePlanner,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    check_files,
-    dcp_failure_class,
-    describe_dcp_failure,
-    read_metadata,
+from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
+from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, dcp_failure_class, describe_dcp_failure
+from .dirs import (
+    METADATA_FILE,
+    check_inside,
+    commit_outcome,
+    commit_save,
+    discard_save,
+    partial_dir,
+    prepare_save,
+    resolve_latest,
+    step_dir_name,
 )
-from .dirs import commit_save, discard_save, partial_dir, prepare_save, resolve_latest, step_dir_name
-from .errors import CheckpointError, CheckpointRecipeError, agree
+from .errors import CheckpointError, CheckpointRecipeError, agree, os_error_text
+from .values import check_value, refuse_divergence, replica_digests
 
 #: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
 #: uint8 tensor whose length changes (empty before the first FP8 forward).
@@ -67,13 +71,19 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
     A save that fails on any rank raises the same :class:`CheckpointError` on every rank, removes
     its partial directory and leaves ``latest`` and every step directory as they were; one killed
     mid-save leaves them as they were too (the next save removes what it left). A re-save of an
-    existing step replaces it only once the new one is complete. Each stored item gets a checksum
-    (``checksums.json`` beside DCP's ``.metadata``), verified by :func:`load_checkpoint`.
+    existing step replaces it only once the new one is complete; a failure after the swap says
+    what it committed. Each stored item gets a checksum (``checksums.json`` beside DCP's
+    ``.metadata``), verified by :func:`load_checkpoint`.
+
+    Refused on every rank before anything is written: masters holding NaN or Inf (below), a plain
+    value, a tensor that is not sharded or a replicated DTensor chunk that differs between ranks
+    (DCP would store one rank's copy for all; ``checkpoint/values.py``), and a root another live
+    job saves into (``checkpoint/owner.py``: the first save claims the root for this job).
 
     Args:
         state_dict: e.g. ``{"model": model_sd, "optim": optim_sd, "step": step}`` (tensors, DTensors
             and plain values).
-        root: checkpoint root directory (shared by all ranks; one job saves there at a time).
+        root: checkpoint root directory (shared by all ranks; claimed by one job at a time).
         step: training step, names the sub-directory (``step-00000042``).
         process_group: the ranks that save (default: all).
         allow_nonfinite: save even if an optimizer master (a ``...master`` entry, see
@@ -87,13 +97,17 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
         >>> model_sd, optim_sd = get_state_dict(model, opt)
         >>> dtensor_fp8.save_checkpoint({"model": model_sd, "optim": optim_sd, "step": step}, "ckpt", step)
     """
+    root = os.fspath(root)
     name = step_dir_name(step)
     what = f"save_checkpoint(step {step} into {root})"
     first = _rank(process_group) == 0
-    if not allow_nonfinite:
-        agree(what, _refuse_nonfinite_masters, state_dict, group=process_group,
-              after=" Nothing was written.")
-    partial = agree(what, lambda: prepare_save(root, name) if first else partial_dir(root, name), group=process_group)
+    nothing = " Nothing was written."
+    digests = agree(what, _check_before_save, state_dict, allow_nonfinite, process_group, group=process_group,
+                    after=nothing, everyone=True)
+    agree(what, refuse_divergence, digests, group=process_group, after=nothing)
+    partial = agree(what, lambda: _named(prepare_save, root, name) if first else partial_dir(root, name),
+                    group=process_group, after=" This save wrote nothing: `latest` and every complete step directory "
+                                               "are as before.")
     try:
         agree(what, _dcp_save, state_dict, partial, process_group, group=process_group,
               after=" Nothing was committed: `latest` and every step directory are as before this save, and its "
@@ -102,7 +116,26 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
         if first and not getattr(err, "ranks_lost", False):  # every rank has stopped writing
             discard_save(root, name)
         raise
-    return agree(what, lambda: commit_save(root, name) if first else os.path.join(root, name), group=process_group)
+    # a fault or a kill here may come after the swap: every surviving rank reads what is on disk
+    return agree(what, lambda: _named(commit_save, root, name) if first else os.path.join(root, name),
+                 group=process_group, outcome=lambda: commit_outcome(root, name))
+
+
+def _named(fn, *args):
+    """``fn(*args)``, an ``OSError`` named by its errno and file (ENOSPC with the free space)."""
+    try:
+        return fn(*args)
+    except OSError as err:
+        raise CheckpointError(os_error_text(err)) from err
+
+
+def _check_before_save(state_dict: dict, allow_nonfinite: bool, group) -> dict:
+    """This rank's part of the checks before a save; returns its digests of the entries DCP stores
+    once for several ranks (none on one rank: nothing to compare)."""
+    if not allow_nonfinite:
+        _refuse_nonfinite_masters(state_dict)
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return replica_digests(state_dict) if several else {}
 
 
 #: the state key of an FP8 parameter's master in ``MasterWeightOptimizer``'s state
@@ -155,25 +188,38 @@ class _Opened(NamedTuple):
     checksums: dict | None
 
 
-def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify: bool | None = None,
-                    process_group=None) -> LoadResult:
+def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify: bool = True,
+                    allow_nonfinite: bool = False, process_group=None) -> LoadResult:
     """``dcp.load`` into ``state_dict`` (in place), safely and all-or-nothing.
 
     Load into the state dicts of a fresh model and optimizer (``get_state_dict(model, opt)``), then
     ``set_state_dict``. Tensors and plain values (step counters, scheduler state, param groups) are
     restored; nothing is unpickled except DCP's metadata classes and ``weights_only`` values; each
-    stored item's checksum is verified as it is read. Every check runs before anything is written
-    into ``state_dict``, and a failure on any rank raises the same :class:`CheckpointError` on
-    every rank naming the entry, file and rank, with ``state_dict`` untouched.
+    stored item's checksum is verified as it is read.
+
+    The load is a transaction over everything ``state_dict`` aliases (the model's FP8 planes, the
+    optimizer's masters, moments and scaling state through torch's ``get_state_dict``): every
+    entry is read into private copies and checked first -- files inside the checkpoint directory,
+    checksums covering every stored item, recipes, entries, shapes and dtypes, plain values of the
+    template's kind and bounded in size and depth (``checkpoint/values.py``), masters finite -- and
+    only then written back. A failure on any rank raises the same :class:`CheckpointError` on every
+    rank naming the entry, file and rank, with every tensor and value of ``state_dict`` as it was.
 
     Args:
-        state_dict: the state dict to fill (its tensors give the target sharding).
+        state_dict: the state dict to fill (its tensors give the target sharding, its plain values
+            the kinds the loaded ones must have).
         path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
         strict: every entry of the checkpoint must be asked for by ``state_dict`` and the reverse
             (errors name the extra / missing entries). False loads the entries both hold and
             returns the others; an FP8 weight still loads whole or not at all.
-        verify: check the checksums ``save_checkpoint`` stored; None (default): where the
-            checkpoint has them (plain ``dcp.save`` writes none); True: require them; False: skip.
+        verify: check the checksums ``save_checkpoint`` stored (default): a checkpoint without
+            ``checksums.json``, or with one that does not cover every stored item, is refused.
+            False loads without verification, knowingly (checkpoints of plain ``dcp.save`` or
+            ``dcp.async_save``, which write no checksums). None is taken as True.
+        allow_nonfinite: load optimizer masters (``...master`` entries) holding NaN or Inf; by
+            default such a checkpoint (saved with ``allow_nonfinite=True``) is refused before
+            anything is written (``MasterWeightOptimizer.load_state_dict`` refuses them too, unless
+            built with ``nonfinite="ignore"``).
         process_group: the ranks that load (default: all).
 
     Returns:
@@ -187,13 +233,17 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
     """
     path = os.fspath(path)
     what = f"load_checkpoint({path})"
-    group, untouched = process_group, " The state dict was not modified."
-    opened = agree(what, _open, path, verify, group=group, after=untouched)
+    untouched = " The state dict was not modified."
+    kept = {"group": process_group, "after": untouched, "outcome": lambda: untouched.strip()}
+    opened = agree(what, _open, path, verify, **kept)
     flat, mappings = flatten_state_dict(state_dict)
     recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
-    agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, group=group, after=untouched)
-    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, group, group=group, after=untouched)
-    agree(what, _dcp_load, plan.copies, path, opened, group, group=group, after=untouched)
+    agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, **kept)
+    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, process_group, **kept)
+    agree(what, _dcp_load, plan.copies, path, opened, process_group, **kept)
+    agree(what, _check_loaded, flat, plan, opened, path, allow_nonfinite, **kept)
+    # Everything is read, verified and checked: only now is the live state written (no step below
+    # can fail for a reason of the checkpoint's: same shapes, dtypes and placements, checked kinds).
     with torch.no_grad():
         for key, value in plan.copies.items():
             if key in plan.blobs or not isinstance(value, torch.Tensor):
@@ -205,19 +255,46 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
 
 
 def _open(path: str, verify: bool | None) -> _Opened:
+    check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
     metadata = read_metadata(path)
     check_files(path, metadata)
-    checksums = None
-    if verify is not False:
-        try:
-            checksums = read_checksums(path)
-        except ChecksumFileError as err:
-            raise CheckpointError(str(err)) from None
-        if checksums is None and verify:
-            raise CheckpointError(f"{path} has no {CHECKSUMS_FILE} (written by plain dcp.save, or before dtensor_fp8 "
-                                  "stored checksums): it cannot be verified; pass verify=None or False to load it "
-                                  "unverified")
+    if verify is False:
+        return _Opened(metadata, None)
+    check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
+    try:
+        checksums = read_checksums(path)
+    except ChecksumFileError as err:
+        raise CheckpointError(str(err)) from None
+    if checksums is None:
+        raise CheckpointError(
+            f"{os.path.join(path, CHECKSUMS_FILE)} is missing, so the checkpoint cannot be verified (deleted? or "
+            "written by plain dcp.save / dcp.async_save, or before dtensor_fp8 stored checksums). Fix: restore the "
+            "file from a copy of the checkpoint; or pass verify=False to load it unverified, knowingly")
+    check_coverage(path, metadata, checksums)
     return _Opened(metadata, checksums)
+
+
+def _stored_file(opened: _Opened, path: str, key: str) -> str:
+    info = opened.metadata.storage_data.get(MetadataIndex(key))
+    return os.path.join(path, info.relative_path) if info is not None else path
+
+
+def _check_loaded(flat: dict, plan: _Plan, opened: _Opened, path: str, allow_nonfinite: bool) -> None:
+    """What was read, before it is written back: plain values against the template, masters finite."""
+    for key, value in plan.copies.items():
+        if not isinstance(value, torch.Tensor):
+            check_value(value, flat[key], f"entry {key!r} in {_stored_file(opened, path, key)}")
+    if allow_nonfinite:
+        return
+    bad = [key for key, value in plan.copies.items()
+           if key.endswith(_MASTER_SUFFIX) and isinstance(value, torch.Tensor) and value.is_floating_point()
+           and not bool(torch.isfinite(local_tensor(value)).all())]
+    if bad:
+        params = [k.split(".state.", 1)[-1][:-len(_MASTER_SUFFIX)] for k in bad]
+        raise CheckpointError(
+            f"{path}: the master of {', '.join(params[:_SHOWN])} holds NaN or Inf (entr{'y' if len(bad) == 1 else 'ies'} "
+            f"{_listed(bad)}; saved with allow_nonfinite=True from a run that had diverged?): resuming from it would "
+            "train on NaN. Fix: load an earlier checkpoint, or pass allow_nonfinite=True to load it anyway")
 
 
 def _check_fp8_layout(flat: dict, recipes: dict, metadata: Metadata, path: str) -> None:
@@ -292,6 +369,13 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
         if not is_tensor:
             copies[key] = value
         elif _is_extra_state(key) and not isinstance(value, DTensor):
+            # read at its saved size: bounded by the bytes stored for it (a crafted size allocates nothing)
+            nbytes = _numel(meta.size) * meta.properties.dtype.itemsize
+            stored = sum(info.length for index, info in opened.metadata.storage_data.items() if index.fqn == key)
+            if nbytes > stored:
+                raise CheckpointError(
+                    f"{path}: .metadata gives entry {key!r} {tuple(meta.size)} {meta.properties.dtype} ({nbytes} bytes), "
+                    f"but only {stored} bytes are stored for it (a crafted size?); restore .metadata from a copy")
             copies[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
             blobs.add(key)
         elif tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
