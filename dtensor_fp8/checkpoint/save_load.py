@@ -38,6 +38,7 @@ from .dcp_io import (
 )
 from .dirs import commit_save, discard_save, partial_dir, prepare_save, resolve_latest, step_dir_name
 from .errors import CheckpointError, CheckpointRecipeError, agree
+from .param_groups import open_param_group_keys
 
 #: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
 #: uint8 tensor whose length changes (empty before the first FP8 forward).
@@ -169,8 +170,9 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
         state_dict: the state dict to fill (its tensors give the target sharding).
         path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
         strict: every entry of the checkpoint must be asked for by ``state_dict`` and the reverse
-            (errors name the extra / missing entries). False loads the entries both hold and
-            returns the others; an FP8 weight still loads whole or not at all.
+            (errors name the extra / missing entries), except a param group's plain values, which
+            load into the group as torch's optimizers take them (``param_groups.py``). False loads
+            the entries both hold and returns the others; an FP8 weight still loads whole or not at all.
         verify: check the checksums ``save_checkpoint`` stored; None (default): where the
             checkpoint has them (plain ``dcp.save`` writes none); True: require them; False: skip.
         process_group: the ranks that load (default: all).
@@ -190,6 +192,9 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
     opened = agree(what, _open, path, verify, group=group, after=untouched)
     flat, mappings = flatten_state_dict(state_dict)
     recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
+    taken = open_param_group_keys(state_dict, flat, opened.metadata.state_dict_metadata)  # plain param-group values
+    flat.update(dict.fromkeys(taken))  # asked for from here on (None: DCP reads what was saved)
+    mappings.update(taken)
     agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, group=group, after=untouched)
     plan = agree(what, _check_entries, flat, recipes, opened, path, strict, group, group=group, after=untouched)
     agree(what, _dcp_load, plan.copies, path, opened, group, group=group, after=untouched)
