@@ -1,12 +1,12 @@
-"""Every private torch API the package touches, in one place, for torch 2.11 and 2.13.
+"""Every private torch API the package touches, in one place, for torch 2.11 to 2.15.
 
 [Note: private torch API]
 dtensor_fp8 extends FSDP2, DTensor and DCP where they have no public hook: it reads FSDP2's
 per-group training state (to choose which planes a gather moves), handles DTensor's functional
 collectives on its tensor subclass, recognizes FSDP's ``_StridedShard`` placement, and walks
 DCP's nested state dicts. Each such access is an accessor here, named for what it gives, and
-written for both torch versions the project runs (2.11 on the GPU machine, 2.13 on CPU / CI);
-where the two differ the accessor says how. ``tests/test_compat.py`` calls every accessor on the
+written for every torch version the project runs (2.11 on the GPU machine, 2.13 and 2.15 on CPU /
+CI); where versions differ the accessor says how. ``tests/test_compat.py`` calls every accessor on the
 installed torch, so a torch upgrade that moves one fails there, by name, and not deep inside a
 gather. Nothing else in the package imports a private torch module or reads a private attribute
 of a torch object (``tests/test_structure.py`` checks the imports). The FSDP2 accessors name the

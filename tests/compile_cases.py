@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import dtensor_fp8 as d
+from dtensor_fp8._compat import TORCH_VERSION
 
 DIM = 256  # a multiple of 128: blockwise recipes shard at 128-row boundaries over 2 ranks
 TOKENS = 128  # a multiple of 128: torch's blockwise scaled GEMMs take the batch (on CUDA)
@@ -40,16 +41,44 @@ def planes_bytes(model: nn.Module) -> dict:
     return out
 
 
-def block(device, seed: int) -> nn.Sequential:
+class Block(nn.Module):
+    """A block class of one's own (the ``"own"`` kind of :func:`block`): what ``nn.Sequential``
+    holds, called by a ``forward`` written here."""
+
+    def __init__(self, fc1: nn.Linear, act: nn.Module, fc2: nn.Linear):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = fc1, act, fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+#: How a block is built: ``"own"``, a :class:`Block`; ``"container"``, an ``nn.Sequential``.
+KINDS = ("own", "container")
+
+
+def block(device, seed: int, kind: str = "container") -> nn.Module:
     """Two bias-free linears whose weights spread over 12 binades per element, so that MXFP8 /
     1x128 row and column planes differ (the input gradient then shows which one was read) and
-    every recipe quantizes differently."""
+    every recipe quantizes differently; ``kind`` (:data:`KINDS`) chooses the module holding them
+    (the same weights either way)."""
     torch.manual_seed(seed)
-    b = nn.Sequential(nn.Linear(DIM, DIM, bias=False), nn.ReLU(), nn.Linear(DIM, DIM, bias=False))
+    layers = (nn.Linear(DIM, DIM, bias=False), nn.ReLU(), nn.Linear(DIM, DIM, bias=False))
     with torch.no_grad():
-        for layer in (b[0], b[2]):
+        for layer in (layers[0], layers[2]):
             layer.weight.mul_(2.0 ** -torch.randint(0, 12, layer.weight.shape).float())
+    b = {"own": Block, "container": nn.Sequential}[kind](*layers)
     return b.to(device)
+
+
+def fullgraph_under_fully_shard(kind: str, style: str) -> bool:
+    """Whether a block of ``kind`` compiled by ``style`` (see :func:`per_block_compile_vs_eager`)
+    before ``fully_shard`` compiles as one graph under FSDP2 on this torch. Not a container's
+    ``module.compile()`` from torch 2.14: dynamo then traces the container's ``__call__`` with its
+    hooks, and FSDP2's hooks are ``torch._dynamo.disable``-d (a graph break; with
+    ``fullgraph=True`` the error "Call to `torch._dynamo.disable()`"), with or without FP8 weights.
+    ``torch.compile(container)`` and a block class of one's own compile whole on every version."""
+    return not (kind == "container" and style == "module.compile" and TORCH_VERSION >= (2, 14))
 
 
 def train(model: nn.Module, call, device, steps: int = STEPS, seed: int = 1) -> dict:
@@ -166,12 +195,13 @@ def graph_breaks_of_model(recipe_name: str, device) -> tuple[int, int, list]:
 
 # ---- per-block compile under fully_shard (what torchtitan does) ------------------------------------------
 def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: bool = True,
-                               eager_gemms: str | None = None) -> tuple[dict, dict, dict]:
-    """Two blocks, each ``fully_shard``-ed, then the root; the compiled run compiles each block
-    first (``fullgraph=True`` unless told otherwise): ``style`` ``"module.compile"`` (``block.compile()``) or
-    ``"torch.compile"`` (``torch.compile(block)``, an ``OptimizedModule`` in the block's place).
-    ``eager_gemms`` as for :func:`compiled_model_vs_eager`. Returns the eager and compiled records
-    and the compiled blocks' dynamo counters."""
+                               eager_gemms: str | None = None, kind: str = "own") -> tuple[dict, dict, dict]:
+    """Two blocks of ``kind`` (:data:`KINDS`), each ``fully_shard``-ed, then the root; the compiled
+    run compiles each block first (``fullgraph=True`` unless told otherwise): ``style``
+    ``"module.compile"`` (``block.compile()``) or ``"torch.compile"`` (``torch.compile(block)``, an
+    ``OptimizedModule`` in the block's place). ``eager_gemms`` as for
+    :func:`compiled_model_vs_eager`. Returns the eager and compiled records and the compiled
+    blocks' dynamo counters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -181,7 +211,7 @@ def per_block_compile_vs_eager(recipe_name: str, style: str, device, fullgraph: 
     for compiled in (False, True):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-        model = nn.Sequential(block(device, 0), block(device, 1))
+        model = nn.Sequential(block(device, 0, kind), block(device, 1, kind))
         if compiled and style == "torch.compile":
             # torch.compile(block) puts ``_orig_mod.`` into the parameter names, and the
             # optimizer looks the high-precision initial values up by name: quantize after it

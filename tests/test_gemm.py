@@ -19,12 +19,16 @@ import torch.nn.functional as F
 import dtensor_fp8 as d
 from conftest import assert_bytes_equal
 from dtensor_fp8 import gemm
+from dtensor_fp8._compat import TORCH_VERSION
 from dtensor_fp8.formats.base import BlockShape
 from dtensor_fp8.formats.scaled_mm import SCALE_LAYOUTS, swizzle_32_4_4
 
 PER_TENSOR = {"delayed": d.DelayedScaling(), "current": d.CurrentScaling(),
               "current_pow2": d.CurrentScaling(force_pow_2_scales=True)}
 M, K, TOKENS = 96, 160, 48  # multiples of 16: cuBLAS' FP8 alignment
+#: torch's meta kernel of ``_scaled_mm_v2`` checks block scales' strides up to 2.13; from 2.14 it
+#: infers shapes only (the stride checks run in eager, in C++).
+META_CHECKS_SCALE_STRIDES = TORCH_VERSION < (2, 14)
 
 
 def _inputs(seed=0, dtype=torch.bfloat16):
@@ -129,7 +133,8 @@ def test_delayed_scaling_keeps_te_amax_history_per_weight():
 @pytest.mark.parametrize("recipe", [d.Blockwise(block_dims=2), d.Blockwise(block_dims=1)], ids=lambda r: r.name)
 def test_blockwise_scale_layouts_pass_torch_checks(recipe):
     """Each GEMM's operands, laid out as gemm.scaled_mm hands them to F.scaled_mm, satisfy torch's
-    shape and stride rules for block scaling (its meta kernel; no CPU kernel exists)."""
+    shape and stride rules for block scaling: its meta kernel (no CPU kernel exists), which checks
+    strides up to torch 2.13 and shapes only from 2.14, and the strides those rules name."""
     t, m, k = 256, 384, 512
     g = torch.Generator().manual_seed(3)
     w = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]
@@ -161,17 +166,36 @@ def test_blockwise_scale_layouts_pass_torch_checks(recipe):
         out = F.scaled_mm(meta(a.data), meta(b.data).t(), meta(sa), getattr(S, la.kind), meta(sb), getattr(S, lb.kind),
                           output_dtype=torch.bfloat16)
         assert out.shape == (a.data.shape[0], b.data.shape[0]), name
-        # The scales hold the recipe's values at the block positions torch reads them from.
+        # The scales hold the recipe's values at the block positions torch reads them from, with
+        # the strides torch's rules name (formats/scaled_mm.py): 1x128 (rows, K/128) rows-major
+        # (1, rows); 128x128 as B (L4, N/128) with (1, L4).
+        for s, layout in ((sa, la), (sb, lb)):
+            assert s.stride() == (1, s.shape[0]), (name, layout.kind, s.shape, s.stride())
         if la.kind == "BlockWise1x128":
             assert torch.equal(sa, a.scale_inv)
         if lb.kind == "BlockWise128x128":
+            assert sb.shape[0] % 4 == 0
             assert torch.equal(sb[: b.scale_inv.shape[1]].t(), b.scale_inv)
-    # A row-major 1x128 scale is refused by torch: the layout above is not a formality.
+    # A row-major 1x128 scale (the recipe's own layout, not SCALE_LAYOUTS') is refused by torch's
+    # stride check: the layout above is not a formality. Up to torch 2.13 the meta kernel checks
+    # strides; from 2.14 only the C++ check that runs in eager does (on CUDA, asserted in
+    # tests/gpu/test_gemm_gpu.py) and the meta kernel checks shapes alone.
     a, b = ops["fprop"]
-    with pytest.raises(RuntimeError, match="stride"):
-        F.scaled_mm(a.data.to("meta"), b.data.to("meta").t(), a.scale_inv.contiguous().to("meta"), S.BlockWise1x128,
-                    SCALE_LAYOUTS[b.block].scale(b.scale_inv, *b.data.shape, operand="b").to("meta"),
-                    getattr(S, SCALE_LAYOUTS[b.block].kind), output_dtype=torch.bfloat16)
+    la, lb = SCALE_LAYOUTS[a.block], SCALE_LAYOUTS[b.block]
+    sa, sb = la.scale(a.scale_inv, *a.data.shape, operand="a"), lb.scale(b.scale_inv, *b.data.shape, operand="b")
+    row_major = a.scale_inv.contiguous()
+    assert row_major.shape == sa.shape and row_major.stride() != sa.stride()
+    refused = (a.data.to("meta"), b.data.to("meta").t(), row_major.to("meta"), S.BlockWise1x128, sb.to("meta"),
+               getattr(S, lb.kind))
+    if META_CHECKS_SCALE_STRIDES:
+        with pytest.raises(RuntimeError, match="stride"):
+            F.scaled_mm(*refused, output_dtype=torch.bfloat16)
+    else:
+        assert F.scaled_mm(*refused, output_dtype=torch.bfloat16).shape == (a.data.shape[0], b.data.shape[0])
+    # The CPU's eager kernel has no block scaling: it refuses even the right layout, before any
+    # stride check (so that check is asserted on CUDA only).
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        F.scaled_mm(a.data, b.data.t(), sa, S.BlockWise1x128, sb, getattr(S, lb.kind), output_dtype=torch.bfloat16)
 
 
 def test_blockwise_dgrad_uses_the_transpose_and_columnwise_planes():

@@ -11,6 +11,16 @@ What is not compiled, by design: FSDP2's hooks (the all-gathers and our
 hooks (``torch._dynamo.config.skip_fsdp_hooks``), and the optimizer step (``MasterWeightOptimizer``:
 the requantization runs eagerly, as a CUDA graph on the GPU). A whole-model ``torch.compile``
 over ``fully_shard``-ed blocks therefore breaks the graph at every block boundary.
+
+[Note: blocks of one's own and containers]
+Every per-block case runs with a block class of one's own (``compile_cases.Block``); containers
+(``nn.Sequential``) run through ``torch.compile(block)`` and ``block.compile()``. The latter differs
+by torch version (``compile_cases.fullgraph_under_fully_shard``): up to 2.13 dynamo skips a torch.nn
+container's ``__call__`` and ``forward`` and compiles only the frames below them (here the FP8
+linears, each a graph; the ReLU between them runs eagerly); from 2.14 it traces the container's
+``__call__`` with its hooks, FSDP2's among them, which are ``torch._dynamo.disable``-d: the block
+compiles as one graph after a graph break at those hooks, and ``fullgraph=True`` raises (plain torch
+too). Both are asserted below, per version.
 """
 
 from __future__ import annotations
@@ -21,10 +31,11 @@ from torch import nn
 
 import dtensor_fp8 as d
 from compile_cases import (
-    compiled_model_vs_eager, graph_breaks_of_model, mismatches, per_block_compile_vs_eager,
-    quantize_compiled_vs_eager,
+    KINDS, compiled_model_vs_eager, fullgraph_under_fully_shard, graph_breaks_of_model, mismatches,
+    per_block_compile_vs_eager, quantize_compiled_vs_eager,
 )
 from dist_utils import DEVICE, WORLD_SIZES
+from dtensor_fp8._compat import TORCH_VERSION
 
 RECIPES = list(d.RECIPES)
 
@@ -49,17 +60,25 @@ def test_model_compiles_to_one_graph():
     assert (graphs, breaks) == (1, 0), reasons
 
 
-@pytest.mark.parametrize("style", ["module.compile", "torch.compile"])
-@pytest.mark.parametrize("name", RECIPES)
-def test_per_block_compile_under_fully_shard(pools, name, style):
+#: (recipe, block kind, style): every recipe with its own block class and ``block.compile()``; the
+#: other kinds and styles with a one-plane and a two-plane recipe (the same graphs otherwise).
+PER_BLOCK = ([(name, "own", "module.compile") for name in RECIPES] + [("current", "own", "torch.compile")]
+             + [(name, "container", style) for style in ("torch.compile", "module.compile") for name in ("current", "mxfp8")])
+
+
+@pytest.mark.parametrize("name,kind,style", PER_BLOCK)
+def test_per_block_compile_under_fully_shard(pools, name, kind, style):
     world = WORLD_SIZES[0]
-    if style == "torch.compile" and name not in ("current", "mxfp8"):
-        pytest.skip("torch.compile(block) is the same graph as block.compile(): two recipes keep CI short")
-    results = pools[world].run(per_block_compile_vs_eager, name, style, DEVICE)
+    fullgraph = fullgraph_under_fully_shard(kind, style)
+    results = pools[world].run(per_block_compile_vs_eager, name, style, DEVICE, fullgraph, None, kind)
     for rank, (eager, compiled, counters) in enumerate(results):
         assert mismatches(eager, compiled) == [], f"rank {rank}"
-        assert counters["graph_breaks"] == 0, counters  # fullgraph=True would have raised anyway
         assert counters["unique_graphs"] >= 1, counters  # the blocks really ran compiled
+        if fullgraph:
+            assert counters["graph_breaks"] == 0, counters  # fullgraph=True would have raised anyway
+        else:  # a container's block.compile() from torch 2.14: the breaks are FSDP2's disabled hooks
+            assert counters["graph_breaks"] >= 1 and all(
+                r.startswith("Call to `torch._dynamo.disable()`") for r in counters["break_reasons"]), counters
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "blockwise1d"])
@@ -70,6 +89,66 @@ def test_per_block_compile_under_fully_shard_one_rank(pools, name):
     (eager, compiled, counters), = pools[1].run(per_block_compile_vs_eager, name, "module.compile", DEVICE)
     assert mismatches(eager, compiled) == []
     assert counters["graph_breaks"] == 0 and counters["unique_graphs"] >= 1, counters
+
+
+def _container_compile_fullgraph(fp8: bool) -> str:
+    """``block.compile(fullgraph=True)`` on ``nn.Sequential`` blocks, then ``fully_shard``, one
+    forward and backward: "ok", or the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compile_cases import block
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh(torch.device(DEVICE).type, (torch.distributed.get_world_size(),))
+    model = nn.Sequential(block(DEVICE, 0, "container"), block(DEVICE, 1, "container"))
+    if fp8:
+        d.quantize_module_(model, d.MXFP8())
+    for b in model:
+        b.compile(fullgraph=True)
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        model(torch.randn(8, 256, device=DEVICE)).sum().backward()
+    except Exception as err:  # noqa: BLE001  (returned to the test)
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def test_container_module_compile_fullgraph_under_fully_shard_per_version(pools):
+    """The doc's note (docs/README.md, torch.compile): ``nn.Sequential.compile(fullgraph=True)``
+    before ``fully_shard`` runs up to torch 2.13 and raises in dynamo from 2.14, FP8 weights or not."""
+    fp8 = pools[WORLD_SIZES[0]].run(_container_compile_fullgraph, True)
+    if fullgraph_under_fully_shard("container", "module.compile"):
+        assert fp8 == ["ok"] * WORLD_SIZES[0]
+    else:
+        plain = pools[WORLD_SIZES[0]].run(_container_compile_fullgraph, False)
+        for msg in fp8 + plain:
+            assert msg.startswith("Unsupported: Call to `torch._dynamo.disable()`") and "FSDP" in msg, msg[:300]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_what_module_compile_traces_per_version(kind):
+    """``block.compile()`` (no FSDP): a block class of one's own compiles as one graph holding the
+    whole forward on every version; a container does from torch 2.14, and up to 2.13 only the FP8
+    linears below it compile (each a graph of its own; the ReLU between them runs eagerly)."""
+    from compile_cases import DIM, block
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    b = d.quantize_module_(block(DEVICE, 0, kind), d.MXFP8())
+    b.compile(backend=backend, fullgraph=True)
+    b(torch.randn(4, DIM, device=DEVICE))
+    has_relu = [any("relu" in target for target in g) for g in graphs]
+    if kind == "own" or TORCH_VERSION >= (2, 14):
+        assert has_relu == [True], graphs
+    else:
+        assert len(graphs) == 2 and not any(has_relu), graphs
 
 
 def test_compiled_blocks_leave_no_transpose_cache(pools):
@@ -89,7 +168,7 @@ def _transpose_caches_after_compiled_steps():
 
     torch._dynamo.reset()
     mesh = init_device_mesh(torch.device(DEVICE).type, (torch.distributed.get_world_size(),))
-    model = d.quantize_module_(nn.Sequential(block(DEVICE, 0), block(DEVICE, 1)), d.CurrentScaling())
+    model = d.quantize_module_(nn.Sequential(block(DEVICE, 0, "own"), block(DEVICE, 1, "own")), d.CurrentScaling())
     for b in model:
         b.compile(fullgraph=True)
         fully_shard(b, mesh=mesh)
@@ -122,7 +201,7 @@ def _gathered_usages():
     real = dfsdp.gather_usages
     for mode in ("eager", "compiled"):
         torch._dynamo.reset()
-        model = d.quantize_module_(nn.Sequential(block(DEVICE, 0), nn.Linear(256, 8)), d.MXFP8(),
+        model = d.quantize_module_(nn.Sequential(block(DEVICE, 0, "own"), nn.Linear(256, 8)), d.MXFP8(),
                                    filter_fn=lambda m, fqn: fqn.startswith("0."))
         if mode == "compiled":
             model[0].compile(fullgraph=True)

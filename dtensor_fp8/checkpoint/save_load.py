@@ -42,6 +42,7 @@ from .dirs import (
     step_dir_name,
 )
 from .errors import CheckpointError, CheckpointRecipeError, agree, os_error_text
+from .param_groups import open_param_group_keys
 from .values import check_value, refuse_divergence, replica_digests
 
 #: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
@@ -210,8 +211,9 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
             the kinds the loaded ones must have).
         path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
         strict: every entry of the checkpoint must be asked for by ``state_dict`` and the reverse
-            (errors name the extra / missing entries). False loads the entries both hold and
-            returns the others; an FP8 weight still loads whole or not at all.
+            (errors name the extra / missing entries), except a param group's plain values, which
+            load into the group as torch's optimizers take them (``param_groups.py``). False loads
+            the entries both hold and returns the others; an FP8 weight still loads whole or not at all.
         verify: check the checksums ``save_checkpoint`` stored (default): a checkpoint without
             ``checksums.json``, or with one that does not cover every stored item, is refused.
             False loads without verification, knowingly (checkpoints of plain ``dcp.save`` or
@@ -238,6 +240,9 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
     opened = agree(what, _open, path, verify, **kept)
     flat, mappings = flatten_state_dict(state_dict)
     recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
+    taken = open_param_group_keys(state_dict, flat, opened.metadata.state_dict_metadata)  # plain param-group values
+    flat.update(dict.fromkeys(taken))  # asked for from here on (None: DCP reads what was saved)
+    mappings.update(taken)
     agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, **kept)
     plan = agree(what, _check_entries, flat, recipes, opened, path, strict, process_group, **kept)
     agree(what, _dcp_load, plan.copies, path, opened, process_group, **kept)

@@ -5,7 +5,9 @@ inside a compiled graph is the compiled reference too (TE's kernels are skipped 
 torch.compile: dynamo cannot trace them), and must give the bytes eager TE kernels give.
 
 FSDP2 runs on a one-rank NCCL group in this process (the hooks, the all-gather extension and the
-per-block compile are exercised; there is nothing to move between ranks).
+per-block compile are exercised; there is nothing to move between ranks). Its blocks are a class of
+one's own (``compile_cases.Block``), which compiles whole on every torch version; containers are
+covered on the CPU (tests/test_torch_compile.py, [Note: blocks of one's own and containers]).
 
 ``F.linear`` runs two ways here (``gemm`` parameter): ``"emulated"`` (``fp8_gemms("off")``: dequantize
 + high-precision GEMM, compiled with ``fullgraph=True``) and ``"fp8"`` (the FP8 GEMM path of

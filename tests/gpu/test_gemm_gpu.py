@@ -241,3 +241,31 @@ def test_mxfp8_before_sm100_warns_once_and_runs_emulated():
     assert log == []
     with gemm.fp8_gemms("off"):
         assert torch.equal(y, F.linear(x, q))
+
+
+@pytest.mark.parametrize("name", ["block2d", "block1d"])
+def test_row_major_1x128_scale_is_refused_in_eager(name):
+    """torch checks block scales' strides in eager (from torch 2.14 its meta kernel checks shapes
+    only, tests/test_gemm.py): the fprop operands as gemm.py lays them out (SCALE_LAYOUTS) run, and
+    the same 1x128 activation scale in the recipe's own row-major layout is refused."""
+    from dtensor_fp8.formats.scaled_mm import SCALE_LAYOUTS
+
+    _fp8_gemms_here(name)
+    recipe = RECIPES[name]
+    w, x, _ = _inputs(4)
+    q = d.quantize(w, recipe)
+    g = recipe.gemm_recipe()
+    xq, _ = g.input.quantize_operand(x, rowwise=True, columnwise=True, state=g.input.operand_state(DEV))
+    a = gemm.operand(xq["rowwise"], g.input.block_shape("rowwise"), 1)
+    b = gemm.operand(q.plane("rowwise"), recipe.block_shape("rowwise"), 1)
+    la, lb = SCALE_LAYOUTS[a.block], SCALE_LAYOUTS[b.block]
+    assert la.kind == "BlockWise1x128"
+    sa, sb = la.scale(a.scale_inv, *a.data.shape, operand="a"), lb.scale(b.scale_inv, *b.data.shape, operand="b")
+    S = F.ScalingType
+    out = F.scaled_mm(a.data, b.data.t(), sa, S.BlockWise1x128, sb, getattr(S, lb.kind), output_dtype=torch.bfloat16)
+    assert out.shape == (T, M)
+    row_major = a.scale_inv.contiguous()
+    assert row_major.shape == sa.shape and row_major.stride() != sa.stride()
+    with pytest.raises(RuntimeError, match="stride"):
+        F.scaled_mm(a.data, b.data.t(), row_major, S.BlockWise1x128, sb, getattr(S, lb.kind),
+                    output_dtype=torch.bfloat16)
