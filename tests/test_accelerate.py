@@ -113,7 +113,7 @@ def test_prepare_in_either_order_trains_like_the_model_without_fp8(pools):
     """After ``prepare`` the optimizer holds every parameter of the sharded model exactly once and
     every FP8 shard reports its own ``data_ptr()``; every FP8 weight changes; both orders give the
     same losses (the masters start from the same high-precision init), each within 1 % of the
-    model without FP8: FP8 rounding of the weights moved them by at most 0.1 % when measured."""
+    model without FP8: the FP8 rounding of the weights moved them by at most 0.1 % when measured."""
     out = pools[WORLD_SIZES[0]].run(_train_orders)[0]
     ref = out["plain"]["losses"]
     assert ref[-1] < 0.95 * ref[0], ref
