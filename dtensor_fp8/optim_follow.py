@@ -20,6 +20,14 @@ could have filled with one parameter many times):
   LR schedulers hold it) and its registered hooks.
 
 A ``params`` list changed in place, with no new list object, is not noticed: replace the list.
+Until the optimizer's first use after ``prepare``, ``param_groups`` shows what accelerate put there.
+
+Why the optimizer adapts rather than each FP8 parameter reporting a distinct ``data_ptr()`` (a
+plane's address) for accelerate's match: torch takes ``data_ptr() == 0`` to mean "a wrapper
+subclass without storage" (``Tensor.__deepcopy__`` then clones, pickling rebuilds through the
+subclass, DCP's state-dict utilities skip the storage); a non-zero address sends those into the
+storage the wrapper does not have ("invalid python storage"). And accelerate's own order needs
+the masters moved to the sharded parameters whatever the match gives.
 """
 
 from __future__ import annotations

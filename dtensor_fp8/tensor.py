@@ -256,23 +256,6 @@ class QuantizedTensor(torch.Tensor):
             out += (None, None) if plane is None else (plane.data, plane.scale_inv)
         return tuple(out)
 
-    def data_ptr(self) -> int:
-        """The address of this tensor's first stored plane's FP8 bytes (the rowwise plane when
-        held): distinct for distinct parameters and stable while the tensor holds the same planes
-        (an optimizer step rewrites them in place), as a plain tensor's. A wrapper subclass has no
-        storage of its own, so torch would report 0 for every FP8 parameter, and code that matches
-        parameters by ``data_ptr()`` (accelerate's ``prepare`` re-maps an optimizer's parameters
-        so) would take them all for one. Tensors viewing the same planes (``for_usage``, a
-        ``detach``) report the same address, as views of one storage do.
-
-        Example:
-            >>> q = dtensor_fp8.quantize(torch.randn(64, 64), dtensor_fp8.MXFP8())
-            >>> q.data_ptr() == q.plane("rowwise").data.data_ptr()
-            True
-        """
-        data = self.rowwise_data if self.rowwise_data is not None else self.columnwise_data
-        return data.data_ptr()
-
     def plane(self, usage: str) -> Plane:
         """The stored plane that serves ``usage``; raises if this tensor does not hold it.
 

@@ -53,11 +53,11 @@ def test_fp8_gemms_under_autocast_equal_gemms_on_cast_operands(name, dtype):
     assert check_fp8_gemms_against_explicit_cast(d.RECIPES[name], "cpu", dtype) == ["fprop", "dgrad", "wgrad"]
 
 
-def _model(name, seed=0, quantize=True, spread=True):
+def _model(name, seed=0, quantize=True, spread=True, dim=256):
     """Two MLP blocks; with ``spread`` their weight rows span two decades (MXFP8 / 1x128 planes
     then differ), else torch's default init."""
     torch.manual_seed(seed)
-    model = nn.Sequential(MLP(), MLP())
+    model = nn.Sequential(MLP(dim), MLP(dim))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2 and spread:
@@ -101,14 +101,14 @@ def test_compiled_model_under_autocast_equals_eager(name):
 
 
 def _train(name, steps=8, dtype=torch.bfloat16):
-    model = _model(name, quantize=name != "fp32", spread=False)
+    model = _model(name, quantize=name != "fp32", spread=False, dim=128)
     if name == "fp32":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(32, 256, generator=g)
-    y = x @ (torch.randn(256, 256, generator=g) / 16)  # a linear teacher; one batch, fitted step by step
+    x = torch.randn(16, 128, generator=g)
+    y = x @ (torch.randn(128, 128, generator=g) / 11)  # a linear teacher; one batch, fitted step by step
     losses = []
     for _ in range(steps):
         with torch.autocast("cpu", dtype=dtype):
@@ -124,12 +124,12 @@ def _train(name, steps=8, dtype=torch.bfloat16):
 def test_training_under_autocast_follows_the_unquantized_model(name):
     """8 AdamW steps under bf16 autocast from the same init (the masters start from the
     high-precision init ``quantize_module_`` kept), against the model without FP8 under the same
-    autocast; the reference's loss falls by 19 %. Tolerance: every loss within 1 % of the
+    autocast; the reference's loss falls by 13 %. Tolerance: every loss within 1 % of the
     reference's. The only difference is each forward's FP8 rounding of the weights (E4M3: up to
     2^-4 relative per weight), which moved the loss by at most 0.18 % (measured, every recipe)."""
     ref = _train("fp32")
     losses = _train(name)
-    assert ref[-1] < 0.85 * ref[0], f"the reference did not learn: {ref}"
+    assert ref[-1] < 0.9 * ref[0], f"the reference did not learn: {ref}"
     for step, (a, b) in enumerate(zip(losses, ref)):
         assert abs(a - b) <= 0.01 * b, (step, losses, ref)
 
