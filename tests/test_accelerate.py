@@ -163,6 +163,11 @@ def _export(out_dir):
     _train(accelerator, model, opt, 2)
     with d.high_precision_state_dict(torch.bfloat16):
         state_dict = accelerator.get_state_dict(model)  # full tensors, on rank 0 (cpu_offload)
+    with d.high_precision_state_dict(torch.float32, optimizer=opt):  # accelerate's wrapper of the optimizer
+        from_masters = accelerator.get_state_dict(model)
+    masters = {n: m.full_tensor() for n, m in opt.optimizer.masters.items()}
+    masters_exported = dist.get_rank() != 0 or (
+        len(masters) == FP8_WEIGHTS and all(torch.equal(from_masters[n], m) for n, m in masters.items()))
     kinds = sorted({f"{type(v).__name__} {v.dtype}" for v in state_dict.values()})
     keys = sorted(state_dict)  # save_pretrained empties the dict it is given
     accelerator.unwrap_model(model).save_pretrained(out_dir, state_dict=state_dict,
@@ -172,16 +177,18 @@ def _export(out_dir):
     x = _tokens(99)
     with torch.no_grad():
         logits = model(input_ids=x).logits
-    return x, logits.float(), keys, kinds
+    return x, logits.float(), keys, kinds, masters_exported
 
 
 def test_get_state_dict_and_save_pretrained_write_a_standard_model(pools, tmp_path):
     """Under ``dtensor_fp8.high_precision_state_dict``, ``accelerator.get_state_dict`` holds bf16
     tensors under the unquantized model's keys; ``save_pretrained`` writes them and
     ``from_pretrained`` (a plain ``LlamaForCausalLM``) gives the FP8 model's logits to bf16
-    precision (each weight is its FP8 value rounded to bf16: 2^-8 relative)."""
+    precision (each weight is its FP8 value rounded to bf16: 2^-8 relative). With
+    ``optimizer=opt`` (accelerate's wrapper) and fp32 it holds the masters, exactly."""
     out_dir = str(tmp_path / "hf")
-    x, logits, keys, kinds = pools[WORLD_SIZES[0]].run(_export, out_dir)[0]  # rank 0's
+    x, logits, keys, kinds, masters_exported = pools[WORLD_SIZES[0]].run(_export, out_dir)[0]  # rank 0's
+    assert masters_exported  # optimizer=opt: the FP32 masters themselves, exactly
     assert keys == sorted(transformers.LlamaForCausalLM(_config()).state_dict())
     assert kinds == ["Tensor torch.bfloat16", "Tensor torch.float32"], kinds  # FP8 weights bf16, the rest as trained
     loaded = transformers.LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.bfloat16)
