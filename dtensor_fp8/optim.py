@@ -61,6 +61,7 @@ from ._compat import dtensor_local
 from .formats.base import USAGES
 from .module import finish_init_
 from .placement import like, local_tensor
+from . import optim_follow
 from .optim_state import StateView, as_global, localize
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
@@ -174,6 +175,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         #: bumped whenever the inner state may have new tensors (a step, a load): ``state`` re-reads it
         self._generation = 0
         self.state = StateView(self)
+        #: how to build this optimizer again over replaced parameters (see _follow_model)
+        self._built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
+                            "nonfinite": nonfinite, **defaults}
+        self._bound = optim_follow.snapshot(self)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -191,6 +196,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self._inner_of[p] = _local_alias(p)
         self._fqn.update(_fqns(self.model, [group]))
         self._inner.add_param_group({**group, "params": [self._inner_of[p] for p in group["params"]]})
+        self._bound = optim_follow.snapshot(self)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -203,6 +209,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        self._follow_model()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -230,12 +237,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._follow_model()
         super().zero_grad(set_to_none=set_to_none)
         self._drop_inner_gradients()
 
     def state_dict(self) -> dict:
         """torch's optimizer state-dict format: ``state`` keyed by integer ids in ``param_groups``
         order, with DTensors laid out like the parameters (see the note), and ``param_groups``."""
+        self._follow_model()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -264,6 +273,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Args:
             state_dict: from :meth:`state_dict` (or torch's DCP helpers).
         """
+        self._follow_model()
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -322,6 +332,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @property
     def masters(self) -> dict[str, nn.Parameter]:
         """FQN -> master of each FP8 parameter."""
+        self._follow_model()
         return {self._fqn[p]: m for p, m in self._masters.items()}
 
     @property
@@ -433,6 +444,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Create the inner optimizer's state for every trainable tensor that has none (see the
         note): one inner step with zero gradients, lr 0 and weight decay 0, then ``step`` counters
         set back to 0. Values are unchanged."""
+        self._follow_model()
         missing = {id(t): t for t in self._inner_of.values() if t.requires_grad and t not in self._inner.state}
         if not missing:
             return
@@ -456,6 +468,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if "step" in state:
                 step = state["step"]
                 state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
+
+    def _follow_model(self) -> None:
+        """Follow the model's parameters if something replaced them in ``param_groups`` after
+        construction (accelerate's ``prepare``; see optim_follow.py)."""
+        if not optim_follow.unchanged(self):
+            optim_follow.follow_model(self, canonical_fqn)
 
     def _state_of(self, p) -> dict:
         """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner

@@ -35,6 +35,7 @@ failing load leaves the model untouched.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -222,9 +223,33 @@ def export_hp_state_dict(model: nn.Module, dtype: torch.dtype = torch.bfloat16, 
         >>> sd = dtensor_fp8.export_hp_state_dict(model)        # bf16, same keys as nn.Linear
         >>> plain.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()})
     """
+    with high_precision_state_dict(dtype, optimizer=optimizer):
+        return model.state_dict()
+
+
+@contextlib.contextmanager
+def high_precision_state_dict(dtype: torch.dtype = torch.bfloat16, *, optimizer=None):
+    """Within the block, every ``state_dict()`` of a model with FP8 parameters holds each FP8
+    weight in high precision, as :func:`export_hp_state_dict` does, so code that calls
+    ``state_dict()`` itself exports a standard model: torch's ``get_model_state_dict`` (a full
+    state dict too), accelerate's ``Accelerator.get_state_dict``, Lightning's savers.
+
+    Args:
+        dtype: the dtype of the exported FP8 weights.
+        optimizer: a :class:`MasterWeightOptimizer` (or a framework's wrapper of one, which holds
+            it as ``.optimizer``: accelerate's, Lightning's) whose masters are exported; default:
+            the dequantized FP8 values.
+
+    Example:
+        >>> with dtensor_fp8.high_precision_state_dict(torch.bfloat16):
+        ...     sd = accelerator.get_state_dict(model)   # full bf16 tensors, the unquantized model's keys
+        >>> accelerator.unwrap_model(model).save_pretrained(out, state_dict=sd)
+    """
+    while optimizer is not None and not hasattr(optimizer, "masters") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
     token = _EXPORT.set((dtype, optimizer.masters if optimizer is not None else {}))
     try:
-        return model.state_dict()
+        yield
     finally:
         _EXPORT.reset(token)
 

@@ -5,6 +5,7 @@ sharding, DTensor and DCP apply to a parameter). The FP8 bytes are never convert
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.base import RecipeError
 from ..op_table import QUANTIZED_OPS
@@ -58,6 +59,11 @@ def _clone(func, args, kwargs):
     return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()}, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
+#: ``to()`` result on the same device -> (its source, the plane tensors it was made with); see
+#: :func:`reads_from`.
+_NOMINAL_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 @QUANTIZED_OPS.implements([aten._to_copy.default])
 def _to_copy(func, args, kwargs):
     q = args[0]
@@ -68,7 +74,39 @@ def _to_copy(func, args, kwargs):
     # Init values awaiting their bytes move with the planes (the user's init runs where they
     # are); kept ones stay where quantize_module_ put them (off the accelerator).
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
-    return q.rebuild(planes, dtype=dtype, hp_init=hp, bytes_pending=q.bytes_pending)
+    out = q.rebuild(planes, dtype=dtype, hp_init=hp, bytes_pending=q.bytes_pending)
+    kept = out.plane_tensors()
+    if q.holds(kept):  # the same bytes (no device move): a view of q under another nominal dtype
+        _NOMINAL_VIEWS[out] = (q, kept)
+    return out
+
+
+def reads_from(q: QuantizedTensor) -> QuantizedTensor:
+    """The tensor whose planes a GEMM on ``q`` reads: ``q``'s source when ``q`` is a same-device
+    ``to()`` of it (a new nominal dtype over the same bytes) that still holds the planes it was made
+    with, else ``q``.
+
+    [Note: autocast's cast of a weight]
+    Under tensor parallelism ``F.linear`` decomposes into DTensor ops, and autocast casts the
+    weight with ``to(dtype)`` before they run; the GEMM and the backward's ``mm`` then see the
+    cast, made during forward. Under FSDP2 the backward all-gather re-points the unsharded weight
+    at the columnwise planes afterwards (``QuantizedTensor.repoint_``), which the cast made in
+    forward would not see: reading through to the source gives the backward GEMM the planes the
+    backward gather delivered, as without autocast. A cast that was itself re-pointed since (a
+    checkpoint load into a model converted with ``model.to(dtype)``) reads its own planes.
+
+    Args:
+        q: a quantized GEMM operand.
+
+    Example:
+        >>> reads_from(q.to(torch.bfloat16)) is q
+        True
+    """
+    while True:  # a cast of a cast reads the first source (each entry points to an older tensor)
+        entry = _NOMINAL_VIEWS.get(q)
+        if entry is None or not q.holds(entry[1]):
+            return q
+        q = entry[0]
 
 
 @QUANTIZED_OPS.implements([aten.new_zeros.default, aten.new_empty.default])

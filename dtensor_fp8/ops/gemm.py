@@ -12,6 +12,7 @@ from ..formats.base import ROWWISE, RecipeError
 from ..linear import quantized_linear
 from ..op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS, TRANSPOSE_VIEW_OPS
 from ..tensor import QuantizedTensor
+from .copies import reads_from
 
 aten = torch.ops.aten
 
@@ -126,7 +127,7 @@ def _gemm_operand(t, position: str, dtype: torch.dtype):
         q, transposed = t, False
     else:
         return t, None
-    q = _READS_THROUGH.get(q, q)
+    q = reads_from(_READS_THROUGH.get(q, q))
     if q.dim() != 2:
         raise RecipeError(f"{q.recipe.name}: GEMM on a quantized tensor of shape {tuple(q.shape)}; expected 2-D")
     contracted = 1 if position == "left" else 0  # in the operand's own (possibly transposed) dims
