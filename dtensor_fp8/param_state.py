@@ -163,12 +163,7 @@ class FP8ParamState:
             >>> sorted(q.param_state.entries())   # delayed scaling
             ['grad_amax_history', 'grad_scale', 'input_amax_history', 'input_scale', 'rowwise_amax_history', 'rowwise_scale']
         """
-        out = {}
-        for group in (self.weight_scaling, self.operand_scaling):
-            for owner, state in group.items():
-                for name, value in state.items():
-                    out[f"{owner}_{name}"] = value
-        return out
+        return {**self.weight_entries(), **self.operand_entries()}
 
     def operand_entries(self) -> dict[str, torch.Tensor]:
         """The operand scaling state's tensors under their state-dict names (``"input_amax_history"``...)."""

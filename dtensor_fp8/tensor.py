@@ -215,6 +215,13 @@ class QuantizedTensor(torch.Tensor):
         """Record that the planes now hold the bytes of :attr:`hp_init` (``finish_init_``)."""
         self._bytes_pending = False
 
+    def mark_bytes_pending_(self) -> None:
+        """Record that :attr:`hp_init` now holds values whose bytes are still to be made (FSDP2
+        copying a pending shard into its padded shard); needs :attr:`hp_init`."""
+        if self._hp_init is None:
+            raise RecipeError(f"{self._recipe.name}: a QuantizedTensor whose bytes are pending needs its hp_init values")
+        self._bytes_pending = True
+
     def plane_tensors(self) -> tuple:
         """The inner tensors, ``(rowwise data, rowwise scale_inv, columnwise data, columnwise
         scale_inv)``, ``None`` where a plane is absent: a cheap identity key for per-gather caches

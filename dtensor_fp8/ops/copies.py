@@ -146,7 +146,7 @@ def _copy_(func, args, kwargs):
             raise RecipeError(f"copy_: {src.recipe.name} source of shape {tuple(src.shape)} holds init values without "
                               "FP8 bytes; the destination has no room for them (make it with new_zeros/empty_like)")
         dst.hp_init.copy_(src.hp_init)
-        dst._bytes_pending = True
+        dst.mark_bytes_pending_()
         return dst
     if isinstance(src, QuantizedTensor):
         if src.recipe != dst.recipe:
