@@ -12,7 +12,7 @@ gather. Nothing else in the package imports a private torch module or reads a pr
 of a torch object (``tests/test_structure.py`` checks the imports). The FSDP2 accessors name the
 versions whose sources they were checked against (2.14 and 2.15 too). Nothing here, or anywhere in
 the package, inspects the call stack (frames, their locals): FSDP2's objects are found through its
-own registry, and ``tests/test_structure.py`` refuses ``sys._getframe`` and the like.
+own registry, and ``tests/test_structure.py`` refuses any read of the call stack.
 
 Not counted as private here: the tensor-subclass protocol (``torch.Tensor._make_wrapper_subclass``,
 ``torch._C._disabled_torch_function_impl``, ``torch.utils._pytree``,
