@@ -68,8 +68,8 @@ class QuantizedTensor(torch.Tensor):
     """
 
     # [Note: the fields of a QuantizedTensor]
-    # These are all of its fields; nothing else is attached to an instance (caches that belong
-    # to a gather live with their owner: fsdp.py and ops/ keep weak maps keyed by the tensor).
+    # These are all of its fields; nothing else is attached to an instance (what a gather keeps
+    # between gathers lives in the parameter's owner record, ``param_state``, see param_state.py).
     # The inner tensors are plain attributes, named by ``__tensor_flatten__``: torch.compile
     # (dynamo, AOTAutograd) takes a QuantizedTensor apart into them and rebuilds it with
     # ``__tensor_unflatten__``; an absent plane is ``None`` and not listed. The recipe, usages and
