@@ -93,6 +93,9 @@ class QuantizedTensor(torch.Tensor):
     _hp_init: torch.Tensor | None
     #: planes allocated, bytes not made yet: a meta build awaiting finish_init_ (see bytes_pending)
     _bytes_pending: bool
+    #: for a same-device ``to(dtype)`` of another tensor: (that source, the plane tensors this one was
+    #: made with), so a GEMM on the cast reads the source's current planes (ops/copies.reads_from)
+    _cast_source: tuple | None
 
     @staticmethod
     def __new__(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
@@ -114,6 +117,7 @@ class QuantizedTensor(torch.Tensor):
             raise RecipeError(f"{recipe.name}: hp_init of shape {tuple(hp_init.shape)} for a tensor of shape {tuple(shape)}")
         self._hp_init = hp_init
         self._bytes_pending = bool(bytes_pending)
+        self._cast_source = None
         planes = {}
         if rowwise_data is not None:
             planes[ROWWISE] = Plane(rowwise_data, rowwise_scale_inv)
@@ -214,6 +218,16 @@ class QuantizedTensor(torch.Tensor):
     def mark_bytes_made_(self) -> None:
         """Record that the planes now hold the bytes of :attr:`hp_init` (``finish_init_``)."""
         self._bytes_pending = False
+
+    def mark_cast_of_(self, source: "QuantizedTensor") -> None:
+        """Record that this tensor is ``source`` under another nominal dtype, over the same plane
+        tensors (see ``ops/copies.reads_from``)."""
+        self._cast_source = (source, self.plane_tensors())
+
+    @property
+    def cast_source(self) -> tuple | None:
+        """``(source, plane tensors at the cast)`` for a same-device ``to(dtype)`` of ``source``, else ``None``."""
+        return self._cast_source
 
     def mark_bytes_pending_(self) -> None:
         """Record that :attr:`hp_init` now holds values whose bytes are still to be made (FSDP2

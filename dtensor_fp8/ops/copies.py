@@ -5,7 +5,6 @@ sharding, DTensor and DCP apply to a parameter). The FP8 bytes are never convert
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.base import RecipeError
 from ..op_table import QUANTIZED_OPS
@@ -59,11 +58,6 @@ def _clone(func, args, kwargs):
     return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()}, hp_init=hp, bytes_pending=q.bytes_pending)
 
 
-#: ``to()`` result on the same device -> (its source, the plane tensors it was made with); see
-#: :func:`reads_from`.
-_NOMINAL_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 @QUANTIZED_OPS.implements([aten._to_copy.default])
 def _to_copy(func, args, kwargs):
     q = args[0]
@@ -75,9 +69,8 @@ def _to_copy(func, args, kwargs):
     # are); kept ones stay where quantize_module_ put them (off the accelerator).
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
     out = q.rebuild(planes, dtype=dtype, hp_init=hp, bytes_pending=q.bytes_pending)
-    kept = out.plane_tensors()
-    if q.holds(kept):  # the same bytes (no device move): a view of q under another nominal dtype
-        _NOMINAL_VIEWS[out] = (q, kept)
+    if q.holds(out.plane_tensors()):  # the same bytes (no device move): q under another nominal dtype
+        out.mark_cast_of_(q)
     return out
 
 
@@ -102,8 +95,8 @@ def reads_from(q: QuantizedTensor) -> QuantizedTensor:
         >>> reads_from(q.to(torch.bfloat16)) is q
         True
     """
-    while True:  # a cast of a cast reads the first source (each entry points to an older tensor)
-        entry = _NOMINAL_VIEWS.get(q)
+    while True:  # a cast of a cast reads the first source (each points to an older tensor)
+        entry = q.cast_source
         if entry is None or not q.holds(entry[1]):
             return q
         q = entry[0]
