@@ -125,8 +125,7 @@ def _train_empty_init(recipe: str):
     optimizer = fabric.setup_optimizers(d.MasterWeightOptimizer(model.module, torch.optim.AdamW, lr=1e-3))
     fp8 = {n: p for n, p in model.module.named_parameters() if isinstance(p.to_local(), d.QuantizedTensor)}
     for name, p in fp8.items():  # the bytes are the quantized init, the masters the init itself
-        master, want = optimizer.optimizer.masters[name].full_tensor(), None
-        want = d.quantize(master, d.RECIPES[recipe])
+        want = d.quantize(optimizer.optimizer.masters[name].full_tensor(), d.RECIPES[recipe])
         for usage, plane in want.planes.items():
             assert torch.equal(p.full_tensor().planes[usage].data.view(torch.uint8), plane.data.view(torch.uint8)), name
     g = torch.Generator().manual_seed(3)
