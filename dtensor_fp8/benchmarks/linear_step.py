@@ -1,14 +1,17 @@
-"""Training-step time and peak memory of plain-torch transformer blocks (``nn.Linear``) under
-FSDP2 on one GPU: bf16 parameters vs dtensor_fp8 FP8 parameters with FP8 GEMMs.
+"""Training-step time, tokens/s, MFU and peak memory of plain-torch decoder blocks (``nn.Linear``)
+under FSDP2 on one device: bf16 parameters vs dtensor_fp8 FP8 parameters with FP8 GEMMs.
 
-``python -m dtensor_fp8.benchmarks linear_step [--layers 4 --hidden 4096 --ffn 16384 --heads 32
---seq 2048 --batch 2 --variants ... --compile --profile --host-profile N --out DIR]``
+``python -m dtensor_fp8.benchmarks linear_step [--shape te-default|llama3-8b|toy --layers N ...
+--variants ... --compile --profile --host-profile N --device cuda|cpu --out DIR]``
 
-Model: ``layers`` x a pre-norm block written in plain torch, shaped like te_step's
-``te.TransformerLayer``: ``LayerNorm -> Linear(h, 3h) -> causal SDPA -> Linear(h, h) -> +x ->
-LayerNorm -> Linear(h, ffn) -> GELU(tanh) -> Linear(ffn, h) -> +x``, biases on, bf16, input
-``(seq, batch, hidden)``, loss ``out.float().pow(2).mean()``; ``fully_shard`` on each block, then
-the root, over an NCCL group of size 1; ``torch.optim.Adam(fused=True)``. Variants:
+Model: ``layers`` x a pre-norm block written in plain torch in the ``--shape`` preset's form
+(benchmarks/shapes.py): ``norm -> Linear(h, qkv) -> causal SDPA (grouped-query: KV heads
+repeated) -> Linear(h, h) -> +x -> norm -> Linear(h, ffn or 2 ffn) -> GELU(tanh) or SwiGLU ->
+Linear(ffn, h) -> +x``; ``te-default`` is te_step's ``te.TransformerLayer`` (LayerNorm, GELU,
+biases), ``llama3-8b`` a Llama3-8B decoder layer (RMSNorm, 32/8 heads, SwiGLU, no biases) at seq
+8192 x batch 1; bf16, input ``(seq, batch, hidden)``, loss ``out.float().pow(2).mean()``;
+``fully_shard`` on each block, then the root, over a one-rank group (NCCL; gloo with ``--device
+cpu``, where ``--shape toy`` runs in the CPU suite); ``torch.optim.Adam(fused=True)``. Variants:
 
 * ``bf16``: bf16 parameters, bf16 GEMMs (torch's ``nn.Linear``).
 * ``{current,blockwise2d}_{bf16,fp32}_masters``: :func:`dtensor_fp8.quantize_module_` (the
@@ -19,7 +22,7 @@ the root, over an NCCL group of size 1; ``torch.optim.Adam(fused=True)``. Varian
   parameters, bf16 masters), built by ``benchmarks/te_step``'s ``build_variant``, for reference.
 * ``torchao``: torchao's ``Float8Linear`` (tensorwise dynamic scaling, bf16 parameters), when
   torchao imports (it is not installed on the GPU image: carry its wheel, see docs/benchmarks.md).
-* with ``--compile``: ``*_compiled`` rows, each block ``torch.compile``'d before ``fully_shard``
+* ``*_compiled`` (named, or all with ``--compile``): each block ``torch.compile``'d before ``fully_shard``
   (torchtitan's order); a variant whose compilation fails is reported as
   ``compile failed: <reason>`` and the run goes on.
 
@@ -41,6 +44,7 @@ waited), ``--host-profile N`` a cProfile table of N more steps (``host_profile.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -58,12 +62,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .host_profile import host_profile
+from .shapes import ModelShape, add_shape_arguments, mfu, peak_flops, shape_from_args, tokens_per_s
 
 GIB = 2**30
 OURS = {f"{r}_{m}_masters": (r, m) for r in ("current", "blockwise2d") for m in ("bf16", "fp32")}
 TE_ROWS = {"te_current": "current", "te_blockwise2d": "blockwise2d"}
 EAGER = ["bf16", *OURS, *TE_ROWS, "torchao"]
 COMPILABLE = ["bf16", *OURS, "torchao"]
+ALL = EAGER + [f"{v}_compiled" for v in COMPILABLE]
 
 # Ceilings measured on the H200 (docs/benchmarks.md, issue 18): GEMM rates and memory bandwidth.
 BF16_FLOPS = 790e12
@@ -73,28 +79,41 @@ BANDWIDTH = 3.3e12
 
 
 class Block(nn.Module):
-    """A pre-norm transformer block of plain torch modules (te.TransformerLayer's shape)."""
+    """A pre-norm decoder block of plain torch modules in ``shape``'s form: te.TransformerLayer's
+    (LayerNorm, GELU, biases) or Llama's (RMSNorm, grouped-query attention, SwiGLU, no biases)."""
 
-    def __init__(self, hidden: int, ffn: int, heads: int, device, dtype):
+    def __init__(self, shape: ModelShape, device, dtype):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden, **kw), nn.LayerNorm(hidden, **kw)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden, **kw), nn.Linear(hidden, hidden, **kw)
-        self.fc1, self.fc2 = nn.Linear(hidden, ffn, **kw), nn.Linear(ffn, hidden, **kw)
+        norm = nn.RMSNorm if shape.norm == "rmsnorm" else nn.LayerNorm
+        self.shape = shape
+        self.ln1, self.ln2 = norm(shape.hidden, **kw), norm(shape.hidden, **kw)
+        linears = {name: nn.Linear(i, o, bias=shape.bias, **kw) for name, (o, i) in shape.linear_shapes().items()}
+        self.qkv, self.proj, self.fc1, self.fc2 = (linears[n] for n in ("qkv", "proj", "fc1", "fc2"))
 
     def forward(self, x):
+        sh = self.shape
         s, b, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(s, b, 3, self.heads, h // self.heads).permute(2, 1, 3, 0, 4).unbind(0)
+        d, kv = sh.head_dim, sh.kv_heads * sh.head_dim
+        q, k, v = self.qkv(self.ln1(x)).split([h, kv, kv], dim=-1)
+        q = q.reshape(s, b, sh.heads, d).permute(1, 2, 0, 3)
+        k, v = (t.reshape(s, b, sh.kv_heads, 1, d).expand(s, b, sh.kv_heads, sh.heads // sh.kv_heads, d)
+                .reshape(s, b, sh.heads, d).permute(1, 2, 0, 3) for t in (k, v))  # GQA: KV heads repeated (HF's repeat_kv)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
         x = x + self.proj(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        y = self.fc1(self.ln2(x))
+        if sh.mlp == "swiglu":
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return x + self.fc2(y)
 
 
 class Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, shape: ModelShape, device):
         super().__init__()
-        self.layers = nn.ModuleList(Block(cfg.hidden, cfg.ffn, cfg.heads, "cuda", torch.bfloat16) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(shape, device, torch.bfloat16) for _ in range(shape.layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -104,8 +123,10 @@ class Model(nn.Module):
 
 def predict(cfg, variant: str) -> dict:
     """GPU-time floor of one step (ms) from FLOPs and bytes, by part (see the module docstring)."""
-    h, f, t, n = cfg.hidden, cfg.ffn, cfg.seq * cfg.batch, cfg.layers
-    params = n * (3 * h * h + h * h + 2 * h * f)  # GEMM weights
+    shape = cfg.model_shape
+    h, t, n = shape.hidden, shape.tokens, shape.layers
+    fc1_out = shape.linear_shapes()["fc1"][0]
+    params = shape.gemm_params
     flops = 6 * t * params
     recipe, master = OURS.get(variant.removesuffix("_compiled"), (None, None))
     if variant in TE_ROWS:
@@ -117,12 +138,13 @@ def predict(cfg, variant: str) -> dict:
     else:
         fwd_dgrad, wgrad = FP8_SPEEDUP[recipe]
         gemm_ms = (flops * 2 / 3 / (BF16_FLOPS * fwd_dgrad) + flops / 3 / (BF16_FLOPS * wgrad)) * 1e3
-    attn_ms = n * 3.5 * 2 * cfg.batch * cfg.seq**2 * h / ATTN_FLOPS * 1e3  # causal fwd + 2.5x bwd
-    # Elementwise (norms, GELU, residuals, biases, attention layout copies): ~3x the forward's bytes.
-    elementwise = n * 3 * t * (30 * h + 8 * f)
+    attn_ms = n * 3.5 * 2 * shape.batch * shape.seq**2 * h / ATTN_FLOPS * 1e3  # causal fwd + 2.5x bwd
+    # Elementwise (norms, GELU/SwiGLU, residuals, biases, attention layout copies): ~3x the forward's bytes.
+    elementwise = n * 3 * t * (30 * h + 8 * fc1_out)
     quant = 0
     if recipe is not None:  # activations (x) and output gradients (dy) of every linear
-        x_elems, dy_elems = n * t * (3 * h + f), n * t * (5 * h + f)
+        linears = shape.linear_shapes().values()
+        x_elems, dy_elems = n * t * sum(i for _, i in linears), n * t * sum(o for o, _ in linears)
         per_elem = 6 if recipe == "current" else 4  # per-tensor: amax pass + cast+transpose; block: one pass
         quant = (x_elems + dy_elems) * per_elem + (params * 2 if recipe in ("current", "blockwise2d") else 0)
     per_param = {None: 22 + 24, "bf16": 27 + 16, "fp32": 43 + 16, "bf16_params": 22 + 24}[master]  # Adam + FSDP copies
@@ -151,7 +173,7 @@ def _setup(variant: str, cfg, mesh):
     base = variant.removesuffix("_compiled")
     compiled = variant.endswith("_compiled")
     torch.manual_seed(cfg.seed)
-    model = Model(cfg)
+    model = Model(cfg.model_shape, cfg.device)
     notes = {}
     if base == "bf16":
         model = _shard(model, mesh, compiled)
@@ -183,25 +205,32 @@ def _fp8_shards(model) -> str:
 
 def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
     """The rest of the warm-up, then the timed steps of ``step()`` (one training step -> loss)."""
+    cuda = cfg.device == "cuda"
     for _ in range(cfg.warmup - len(losses)):
         losses.append(step())
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _fresh(cfg.device)
     ms, host = [], []
     for _ in range(cfg.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        start.record()
+        if cuda:
+            start.record()
         losses.append(step())
         host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        torch.cuda.synchronize()
-        ms.append(start.elapsed_time(end))
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            ms.append(start.elapsed_time(end))
+        else:  # the CPU ran the step while issuing it
+            ms.append(host[-1])
     vals = [float(v) for v in torch.stack(losses).cpu()]
-    row.update(status="ok", step_ms=ms, host_ms=host, median_ms=statistics.median(ms), min_ms=min(ms),
+    shape, median = cfg.model_shape, statistics.median(ms)
+    row.update(status="ok", step_ms=ms, host_ms=host, median_ms=median, min_ms=min(ms),
                median_host_ms=statistics.median(host),
-               step_peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / GIB,
+               tokens_per_s=tokens_per_s(shape, median), mfu=mfu(shape, median, cfg.peak_flops),
+               step_peak_gib=(torch.cuda.max_memory_allocated() - base_mem) / GIB if cuda else None,
                loss_first=vals[0], loss_last=vals[-1], losses_finite=all(math.isfinite(v) for v in vals))
     if cfg.profile:
         from .te_step.timing import profile
@@ -212,8 +241,12 @@ def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
                                            os.path.join(cfg.out, f"host_profile_{row['variant']}.txt"))
 
 
-def _fresh() -> int:
+def _fresh(device: str) -> int:
+    """Free what can be freed and restart the peak: the bytes allocated now (CUDA; 0 on the CPU,
+    whose allocations torch does not count)."""
     gc.collect()
+    if device != "cuda":
+        return 0
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -221,7 +254,7 @@ def _fresh() -> int:
 
 
 def _failed(row: dict, e: Exception) -> None:
-    if isinstance(e, torch.cuda.OutOfMemoryError):
+    if isinstance(e, torch.OutOfMemoryError):
         row.update(status="OOM", error=str(e).splitlines()[0][:300])
     else:
         row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
@@ -232,7 +265,7 @@ def run_variant(variant: str, cfg, mesh) -> dict:
     from dtensor_fp8 import gemm
 
     row = {"variant": variant, "prediction": predict(cfg, variant)}
-    base_mem = _fresh()
+    base_mem = _fresh(cfg.device)
     model = opt = None
     try:
         try:
@@ -241,8 +274,9 @@ def run_variant(variant: str, cfg, mesh) -> dict:
             row.update(status="not run", error=f"{type(e).__name__}: {e}"[:300])
             return row
         row.update(notes)
-        g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
-        x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+        g = torch.Generator(device=cfg.device).manual_seed(cfg.seed + 1)
+        shape = cfg.model_shape
+        x = torch.randn(shape.seq, shape.batch, shape.hidden, device=cfg.device, dtype=torch.bfloat16, generator=g)
 
         def step():
             loss = model(x).float().pow(2).mean()
@@ -264,18 +298,16 @@ def run_variant(variant: str, cfg, mesh) -> dict:
                 return row
             raise
         if variant.removesuffix("_compiled") in OURS:
-            expected = 3 * 4 * cfg.layers
+            expected = 3 * 4 * cfg.model_shape.layers
             row["fp8_weights"] = _fp8_shards(model)
-            if row["fp8_gemms_first_step"] != expected:
+            if row["fp8_gemms_first_step"] != expected and gemm.mode() != "off" and (cfg.device == "cuda" or gemm.mode() == "on"):
                 row["warning"] = f"{row['fp8_gemms_first_step']} FP8 GEMMs in a step, expected {expected}"
         _measure(row, step, cfg, base_mem, losses)
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
         _failed(row, e)
     finally:
         model = opt = None  # noqa: F841
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _fresh(cfg.device)
     return row
 
 
@@ -287,11 +319,13 @@ def run_te_row(name: str, cfg, mesh) -> dict:
 
     row = {"variant": name, "prediction": predict(cfg, name),
            "te_step_variant": "(e) TE TransformerLayer, dtensor_fp8 params, bf16 masters"}
-    base_mem = _fresh()
+    if cfg.device != "cuda":
+        row.update(status="not run", error="te_step's variants need Transformer Engine on a CUDA device")
+        return row
+    base_mem = _fresh(cfg.device)
     v = None
     try:
-        step_cfg = StepConfig(layers=cfg.layers, hidden=cfg.hidden, ffn=cfg.ffn, heads=cfg.heads, seq=cfg.seq,
-                              batch=cfg.batch, lr=cfg.lr, seed=cfg.seed)
+        step_cfg = StepConfig(**dataclasses.asdict(cfg.model_shape), lr=cfg.lr, seed=cfg.seed)
         try:
             v = build_variant("e", TE_ROWS[name], step_cfg, mesh)
         except ImportError as e:
@@ -302,53 +336,65 @@ def run_te_row(name: str, cfg, mesh) -> dict:
         _failed(row, e)
     finally:
         v = None  # noqa: F841
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        _fresh(cfg.device)
     return row
 
 
 # ---- report -------------------------------------------------------------------------------------
+def _gib(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def format_table(rows: list[dict]) -> str:
+    """The markdown table of ``rows`` (one per variant), ratios against ``bf16`` and te_step (e)."""
     by = {r["variant"]: r for r in rows}
     bf16 = by.get("bf16") if by.get("bf16", {}).get("status") == "ok" else None
-    lines = ["| variant | ms / step | host ms | peak GiB | vs bf16 | vs TE (e) | predicted GPU ms | FP8 GEMMs / step | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| variant | ms / step | tokens/s | MFU | host ms | peak GiB | vs bf16 | vs TE (e) | predicted GPU ms | "
+             "FP8 GEMMs / step | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         pred = r.get("prediction", {}).get("total_ms")
         pred_s = f"{pred:.1f}" if pred else "-"
         if r.get("status") != "ok":
-            lines.append(f"| {r['variant']} | - | - | - | - | - | {pred_s} | | {r.get('status')}: {r.get('error', '')} |")
+            lines.append(f"| {r['variant']} | - | - | - | - | - | - | - | {pred_s} | | {r.get('status')}: {r.get('error', '')} |")
             continue
         vs = f"{r['median_ms'] / bf16['median_ms']:.3f}" if bf16 else "-"
         recipe = next((rc for rc in ("current", "blockwise2d") if r["variant"].startswith(rc)), None)
         te = by.get(f"te_{recipe}") if recipe else None
         vs_te = f"{r['median_ms'] / te['median_ms']:.3f}" if te and te.get("status") == "ok" else "-"
+        mfu_s = "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %"
         note = r.get("warning", "")
         if "fp8_weights" in r:
             note = (f"FP8 weights {r['fp8_weights']}; " + note).strip("; ")
-        lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r.get('median_host_ms', 0):.1f} | "
-                     f"{r['step_peak_gib']:.2f} | {vs} | {vs_te} | {pred_s} | {r.get('fp8_gemms_first_step', '-')} | {note} |")
+        lines.append(f"| {r['variant']} | {r['median_ms']:.1f} | {r['tokens_per_s']:,.0f} | {mfu_s} | "
+                     f"{r.get('median_host_ms', 0):.1f} | {_gib(r.get('step_peak_gib'))} | {vs} | {vs_te} | {pred_s} | "
+                     f"{r.get('fp8_gemms_first_step', '-')} | {note} |")
     lines.append("")
-    lines.append("ms / step: median CUDA-event time of a step (forward + backward + optimizer + zero_grad); host ms: time "
-                 "to issue it; peak GiB: max allocated over the timed steps; predicted: GPU floor from FLOPs and bytes "
-                 "(predict()); vs TE (e): against te_step (e) of the same recipe.")
+    lines.append("ms / step: median time of a step (forward + backward + optimizer + zero_grad; CUDA events on the GPU); "
+                 "MFU: torchtitan's FLOPs per token (benchmarks/shapes.py) x tokens/s over the device's dense bf16 "
+                 "peak, FP8 rows too; host ms: time to issue it; peak GiB: max allocated over the timed steps (CUDA); "
+                 "predicted: H200 GPU floor from FLOPs and bytes (predict()); vs TE (e): against te_step (e) of the "
+                 "same recipe.")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .te_step.variants import add_model_arguments  # no TE import: variants imports TE lazily
-
+def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks linear_step", description=__doc__.split("\n\n")[0])
-    add_model_arguments(p)
+    add_shape_arguments(p)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where to step (default cuda when there is one; the CPU steps small shapes, e.g. --shape toy, "
+                        "over a gloo group: te_* rows need CUDA)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense bf16 peak for MFU (default: by device name, benchmarks/shapes.py)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nonfinite", choices=("raise", "skip", "ignore"), default="raise",
                    help="MasterWeightOptimizer's non-finite gradient check (default: the library's, raise)")
-    p.add_argument("--variants", default=",".join(EAGER), help=f"comma-separated subset of {','.join(EAGER)}")
-    p.add_argument("--compile", action="store_true", help="also run the *_compiled rows (blocks torch.compile'd)")
+    p.add_argument("--variants", default=",".join(EAGER), help=f"comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--compile", action="store_true", help="also run the *_compiled row of every variant given "
+                   "(blocks torch.compile'd)")
     p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler "
                    "kernel tables to --out/profile_<variant>.txt; GPU-busy vs step time in the JSON)")
     p.add_argument("--trace", action="store_true", help="with --profile: also write the "
@@ -358,34 +404,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")
     p.add_argument("--out", default="bench_out", help="directory for linear_step.json (default ./bench_out)")
     args = p.parse_args(argv)
+    try:
+        args.model_shape = shape_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(EAGER)
+    unknown = set(variants) - set(ALL)
     if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; choose from {EAGER}")
+        p.error(f"unknown variants {sorted(unknown)}; choose from {ALL}")
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.predict_only:
+        p.error("--device cuda: no CUDA device here; pass --device cpu (with a small --shape, e.g. toy)")
     if args.compile:
-        variants += [f"{v}_compiled" for v in variants if v in COMPILABLE]
-        # The FP8-GEMM count of a compiled step is recorded while AOT autograd traces F.linear on
-        # the FP8 weights; a hit in its on-disk cache (an earlier process) skips that tracing and
-        # the count came out short (8 of 48). Trace every time.
-        from .. import _compat
+        variants += [f"{v}_compiled" for v in variants if v in COMPILABLE and f"{v}_compiled" not in variants]
+    return args, variants
 
-        _compat.disable_aot_autograd_cache()
-    if args.warmup < 1 or args.steps < 1 or args.hidden % args.heads:
-        p.error("--warmup and --steps must be >= 1 and --hidden a multiple of --heads")
+
+def main(argv: list[str] | None = None) -> int:
+    args, variants = _parse(argv)
+    shape = args.model_shape
     if args.predict_only:
         for v in variants:
             pr = predict(args, v)
             print(f"{v:<32} {pr['total_ms']:6.1f} ms  (GEMM {pr['gemm_ms']:.1f}, attention {pr['attention_ms']:.1f}, "
                   f"memory {pr['memory_ms']:.1f} = {pr['memory_gb']:.1f} GB)")
         return 0
-    if not torch.cuda.is_available():
-        print("linear_step: no CUDA device; this benchmark needs a GPU. Nothing was run.", file=sys.stderr)
-        return 2
+    if any(v.endswith("_compiled") for v in variants):
+        # The FP8-GEMM count of a compiled step is recorded while AOT autograd traces F.linear on
+        # the FP8 weights; a hit in its on-disk cache (an earlier process) skips that tracing and
+        # the count came out short (8 of 48). Trace every time.
+        from .. import _compat
+
+        _compat.disable_aot_autograd_cache()
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if any(v.startswith("te_") for v in variants):
+    cuda = args.device == "cuda"
+    if cuda and any(v.startswith("te_") for v in variants):
         # Transformer Engine is imported before any step runs: once torch's attention has loaded its
         # own cuDNN, TE's import can bind the system's other cuDNN build and fail (seen on the H200:
         # "libcudnn_cnn.so.9: undefined symbol"), which te_step, importing TE first, never meets.
@@ -393,16 +450,22 @@ def main(argv: list[str] | None = None) -> int:
             import transformer_engine.pytorch  # noqa: F401
         except Exception:  # noqa: BLE001  (the te_* rows then say why they did not run)
             pass
-    torch.cuda.set_device(0)
-    cc = torch.cuda.get_device_capability()
-    name = torch.cuda.get_device_name()
-    print(f"# linear_step: {args.layers} x Block(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), input "
-          f"{args.seq}x{args.batch}; {name} (sm_{cc[0]}{cc[1]}); torch {torch.__version__}", flush=True)
+    if cuda:
+        torch.cuda.set_device(0)
+        cc, name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+    else:
+        cc, name = None, f"CPU ({platform.processor() or platform.machine()})"
+    args.peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(name) if cuda else None
+    print(f"# linear_step: {shape.describe()}; {shape.gemm_params / 1e6:,.1f} M GEMM params, "
+          f"{shape.flops_per_token / 1e9:.3f} GFLOP/token; {name}" + (f" (sm_{cc[0]}{cc[1]})" if cc else "")
+          + f"; torch {torch.__version__}", flush=True)
     rows = []
     meta = {"benchmark": "linear_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": name, "compute_capability": list(cc), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "argv": sys.argv,
-            "config": {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup", "lr")}}
+            "device": name, "compute_capability": list(cc) if cc else None, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "argv": sys.argv,
+            "config": {"shape": args.shape, **dataclasses.asdict(shape), "steps": args.steps, "warmup": args.warmup,
+                       "lr": args.lr},
+            "gemm_params": shape.gemm_params, "flops_per_token": shape.flops_per_token, "peak_flops": args.peak_flops}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "linear_step.json")
 
@@ -413,16 +476,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if not dist.is_initialized():
             store = dist.FileStore(os.path.join(tmp, "store"), 1)
-            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        mesh = init_device_mesh("cuda", (1,))
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                                    **({"device_id": torch.device("cuda", 0)} if cuda else {}))
+        mesh = init_device_mesh(args.device, (1,))
         try:
             for v in variants:
                 t0 = time.perf_counter()
                 r = run_te_row(v, args, mesh) if v in TE_ROWS else run_variant(v, args, mesh)
                 r["wall_s"] = time.perf_counter() - t0
                 rows.append(r)
-                msg = (f"{r['median_ms']:.2f} ms, peak {r['step_peak_gib']:.2f} GiB" if r.get("status") == "ok"
-                       else f"{r.get('status')}: {r.get('error')}")
+                msg = (f"{r['median_ms']:.2f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {_gib(r['step_peak_gib'])} GiB"
+                       if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}")
                 print(f"  {v:<32} {msg}  [{r['wall_s']:.1f} s]", flush=True)
                 write()
         finally:

@@ -1,7 +1,7 @@
 """Training-step time and peak memory of a Transformer Engine TransformerLayer stack, five ways.
 
-``python -m dtensor_fp8.benchmarks te_step [--layers 4 --hidden 4096 --ffn 16384 --heads 32
---seq 2048 --batch 2 --recipes delayed,current,blockwise2d --variants a,b,c,d,e --out DIR]``
+``python -m dtensor_fp8.benchmarks te_step [--shape te-default|llama3-8b --layers N ...
+--recipes delayed,current,blockwise2d --variants a,b,c,d,e --out DIR]``
 
 One process, one GPU, an NCCL process group of size 1 (FileStore on local disk). For each recipe
 (ours ``DelayedScaling`` / ``CurrentScaling`` / ``Blockwise(block_dims=2)`` under the TE recipe
@@ -14,7 +14,7 @@ per-group steps, the all-gather hooks and the requantization (``host_split.py``)
 re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables (with
 ``--trace`` the Chrome trace too, for ``gpu_gaps``),
 ``--host-profile N`` cProfile tables of N more steps (``benchmarks/host_profile.py``). The
-markdown tables go to stdout, the JSON (torch / TE versions, device, date, config, one entry per
+markdown tables (step ms, tokens/s and MFU as in ``benchmarks/shapes.py``) go to stdout, the JSON (torch / TE versions, device, date, config, one entry per
 ``rows.Row``) to ``--out/te_step.json`` (``report.py``).
 
 The parts: ``variants.py`` (models, optimizers, the training step: :func:`build_variant`),
@@ -25,6 +25,7 @@ The parts: ``variants.py`` (models, optimizers, the training step: :func:`build_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import tempfile
@@ -38,8 +39,8 @@ from .report import format_breakdown, format_host_split, format_table, write_jso
 from .rows import Row
 from .run import run_variant
 from .timing import time_rounds
-from .variants import (OURS, RECIPE_NAMES, VARIANTS, StepConfig, Variant, add_model_arguments, build_variant,
-                       init_process_group)
+from ..shapes import add_shape_arguments, mfu, peak_flops, shape_from_args, tokens_per_s
+from .variants import OURS, RECIPE_NAMES, VARIANTS, StepConfig, Variant, build_variant, init_process_group
 
 __all__ = ["HostSplit", "OURS", "RECIPE_NAMES", "Row", "StepConfig", "VARIANTS", "Variant", "build_variant",
            "init_process_group", "main", "run_variant"]
@@ -47,7 +48,7 @@ __all__ = ["HostSplit", "OURS", "RECIPE_NAMES", "Row", "StepConfig", "VARIANTS",
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dtensor_fp8.benchmarks te_step", description=__doc__.split("\n\n")[0])
-    add_model_arguments(p)
+    add_shape_arguments(p)
     p.add_argument("--recipes", default=",".join(RECIPE_NAMES), help=f"comma-separated subset of {','.join(RECIPE_NAMES)}")
     p.add_argument("--variants", default="a,b,c,d,e", help="comma-separated subset of a (bf16, FSDP2), b (TE FP8 params, "
                    "FSDP2), c (TE FP8 params, no FSDP), d (dtensor_fp8, FSDP2), e (d with bf16 masters)")
@@ -91,8 +92,11 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
         p.error(f"unknown recipes {sorted(set(recipes) - set(RECIPE_NAMES))}; choose from {list(RECIPE_NAMES)}")
     if set(variants) - set(VARIANTS):
         p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {list(VARIANTS)}")
-    if args.hidden % args.heads:
-        p.error("--hidden must be a multiple of --heads")
+    try:
+        args.model_shape = shape_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    vars(args).update(dataclasses.asdict(args.model_shape))  # the variants read cfg.layers, cfg.hidden ...
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
     if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1 or args.host_profile < 0:
@@ -139,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.cuda.set_device(0)
     cc = torch.cuda.get_device_capability()
-    print(f"# te_step: {args.layers} x TransformerLayer(hidden={args.hidden}, ffn={args.ffn}, heads={args.heads}), "
-          f"input {args.seq}x{args.batch}; {torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}); torch "
+    shape = args.model_shape
+    print(f"# te_step: TransformerLayer {shape.describe()}; {torch.cuda.get_device_name()} (sm_{cc[0]}{cc[1]}); torch "
           f"{torch.__version__}; TE {te.version}", flush=True)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+    peak = peak_flops(torch.cuda.get_device_name())
+    for r in rows:
+        if r.ok:
+            r.tokens_per_s, r.mfu = tokens_per_s(shape, r.median_ms), mfu(shape, r.median_ms, peak)
     tables = {"table_markdown": format_table(rows, recipes, variants), "breakdown_markdown": format_breakdown(rows),
               "host_split_markdown": format_host_split(rows)}
     print()

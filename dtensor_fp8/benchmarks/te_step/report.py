@@ -68,12 +68,14 @@ def format_table(rows: list[Row], recipes: list[str], variants: list[str]) -> st
 def format_breakdown(rows: list[Row]) -> str:
     """Where the step time goes: forward + backward vs optimizer step (+ zero_grad), the host's
     time to issue a step, and (``--gpu-only``) the GPU's time for it; medians."""
-    lines = ["| recipe | variant | step ms | fwd+bwd ms | optimizer ms | host ms (issue) | GPU-only ms | "
-             "resident GiB after step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| recipe | variant | step ms | tokens/s | MFU | fwd+bwd ms | optimizer ms | host ms (issue) | GPU-only ms | "
+             "resident GiB after step |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.ok:
             gpu_only = f"{r.median_gpu_only_ms:.1f}" if r.median_gpu_only_ms is not None else "-"
-            lines.append(f"| {r.recipe} | {VARIANTS[r.key][1]} | {r.median_ms:.1f} | {r.median_fwd_bwd_ms:.1f} | "
+            tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-"
+            mfu = f"{100 * r.mfu:.1f} %" if r.mfu is not None else "-"
+            lines.append(f"| {r.recipe} | {VARIANTS[r.key][1]} | {r.median_ms:.1f} | {tps} | {mfu} | {r.median_fwd_bwd_ms:.1f} | "
                          f"{r.median_opt_ms:.1f} | {r.median_host_ms:.1f} | {gpu_only} | {r.resident_gib:.2f} |")
     lines += ["", "host ms: time for Python to issue a step (forward, backward, optimizer) before the GPU finishes it; "
                   "when it is close to the step time the step is bound by the host, not the GPU. GPU-only ms: the step "
@@ -120,7 +122,8 @@ def write_json(path: str, args, rows: list[Row], recipes: list[str], variants: l
                tables: dict[str, str]) -> None:
     """``te_step.json``: versions, device, date, config, the rows and the tables."""
     cc = torch.cuda.get_device_capability()
-    config = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "seq", "batch", "steps", "warmup",
+    config = {k: getattr(args, k) for k in ("shape", "layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch",
+                                            "mlp", "norm", "bias", "steps", "warmup",
                                             "lr", "seed", "adam", "gpu_only", "rounds", "round_steps", "host_split",
                                             "host_profile")}
     meta = {

@@ -61,6 +61,8 @@ class Row:
     median_opt_ms: float | None = None
     median_host_ms: float | None = None
     median_wall_ms: float | None = None
+    tokens_per_s: float | None = None  # at median_ms (benchmarks/shapes.py)
+    mfu: float | None = None  # torchtitan's FLOPs per token over the dense bf16 peak
     gpu_only_ms: list | None = None
     median_gpu_only_ms: float | None = None
     host_split_ms: dict | None = None

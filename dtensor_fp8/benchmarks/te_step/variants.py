@@ -1,7 +1,9 @@
 """The models and optimizers of te_step's variants (a)-(e), and one training step of each.
 
 Model: ``layers`` x ``te.TransformerLayer(hidden, ffn, heads, fuse_qkv_params=True,
-params_dtype=bf16, hidden_dropout=0, attention_dropout=0)`` (causal self-attention), input
+params_dtype=bf16, hidden_dropout=0, attention_dropout=0)`` (causal self-attention) in the
+``--shape`` preset's form (benchmarks/shapes.py; :func:`transformer_layer_kwargs`: GQA groups,
+RMSNorm / LayerNorm, SwiGLU / GELU, biases), input
 ``(seq, batch, hidden)`` bf16, loss ``output.float().pow(2).mean()``, under ``te.autocast`` with
 the TE recipe matching ours (:func:`dtensor_fp8.te.te_recipe_for`).
 
@@ -30,6 +32,7 @@ Example (what another benchmark reuses: variant (e), current scaling, one rank):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,6 +43,7 @@ import torch
 from ...formats import RECIPES
 from ...formats import te_import
 from ...placement import like
+from ..shapes import PRESETS, ModelShape  # noqa: F401  (PRESETS: the docstring example)
 
 #: key -> (name in the JSON, label in the tables)
 VARIANTS = {
@@ -58,12 +62,17 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 class StepConfig:
     """The model, data and optimizer every variant shares (te_step's command line)."""
 
+    # the model's shape: ModelShape's fields (benchmarks/shapes.py), defaults its te-default preset
     layers: int = 4
     hidden: int = 4096
     ffn: int = 16384
     heads: int = 32
+    kv_heads: int = 32
     seq: int = 2048
     batch: int = 2
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
     lr: float = 1e-4
     seed: int = 0
     adam: str = "fused"  # torch.optim.Adam implementation: "fused" or "foreach"
@@ -73,16 +82,20 @@ class StepConfig:
     nonfinite: str = "ignore"
 
 
-#: StepConfig's fields that shape the model and its input (the benchmarks' shared command line)
-MODEL_FIELDS = ("layers", "hidden", "ffn", "heads", "seq", "batch")
+    @property
+    def model_shape(self) -> ModelShape:
+        return ModelShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)})
 
 
-def add_model_arguments(parser) -> None:
-    """``--layers --hidden --ffn --heads --seq --batch``, defaulting to :class:`StepConfig`'s
-    (te_step and linear_step time the same model shape)."""
-    defaults = StepConfig()
-    for name in MODEL_FIELDS:
-        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
+def transformer_layer_kwargs(shape: ModelShape) -> dict:
+    """``te.TransformerLayer``'s keyword arguments for ``shape`` (besides sizes and devices).
+
+    Example:
+        >>> transformer_layer_kwargs(PRESETS["llama3-8b"])["num_gqa_groups"]
+        8
+    """
+    return {"num_gqa_groups": shape.kv_heads, "normalization": "RMSNorm" if shape.norm == "rmsnorm" else "LayerNorm",
+            "activation": shape.mlp, "bias": shape.bias}
 
 
 def gemm_weights(cfg) -> int:
@@ -135,7 +148,8 @@ def build_layers(cfg: StepConfig, fp8_recipe=None) -> torch.nn.Sequential:
     with ctx:
         layers = [te.TransformerLayer(cfg.hidden, cfg.ffn, cfg.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                       fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda",
-                                      self_attn_mask_type="causal", layer_number=i + 1)
+                                      self_attn_mask_type="causal", layer_number=i + 1,
+                                      **transformer_layer_kwargs(cfg.model_shape))
                   for i in range(cfg.layers)]
     return torch.nn.Sequential(*layers)
 
