@@ -10,13 +10,10 @@ under TE's autocast lower the loss.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 with warnings.catch_warnings():
@@ -40,17 +37,7 @@ RECIPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        fd, path = tempfile.mkstemp(prefix="dtensor_fp8_te_meta_store_")
-        os.close(fd)
-        os.unlink(path)
-        dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    yield init_device_mesh("cuda", (1,))
+# ``mesh``: the one-rank NCCL mesh of tests/gpu/conftest.py.
 
 
 def _meta_stack(make_recipe, te_fp8_init: bool):

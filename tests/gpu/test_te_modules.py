@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 with warnings.catch_warnings():
@@ -253,18 +250,7 @@ def test_te_linear_gemm_on_view_equals_te(name):
 
 
 # ---- 2. FSDP2 -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        # A file store, not a TCP port: other suites may run beside this one on the machine.
-        fd, path = tempfile.mkstemp(prefix="dtensor_fp8_te_store_")
-        os.close(fd)
-        os.unlink(path)
-        dist.init_process_group("nccl", store=dist.FileStore(path, 1), rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
-    yield init_device_mesh("cuda", (1,))
+# ``mesh``: the one-rank NCCL mesh of tests/gpu/conftest.py.
 
 
 def _make_module(kind, seed=0):
