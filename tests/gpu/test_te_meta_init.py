@@ -26,6 +26,7 @@ from transformer_engine.common import recipe as te_recipe  # noqa: E402
 
 import dtensor_fp8 as d  # noqa: E402
 from dtensor_fp8 import te as dte  # noqa: E402
+from nccl_mesh import mesh  # noqa: E402, F401  (the fixture)
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -37,7 +38,6 @@ RECIPES = {
 }
 
 
-# ``mesh``: the one-rank NCCL mesh of tests/gpu/conftest.py.
 
 
 def _meta_stack(make_recipe, te_fp8_init: bool):

@@ -35,6 +35,7 @@ from transformer_engine.pytorch.quantized_tensor import QuantizedTensor as TEQua
 
 import dtensor_fp8 as d  # noqa: E402
 from dtensor_fp8 import te as dte  # noqa: E402
+from nccl_mesh import mesh  # noqa: E402, F401  (the fixture)
 
 DEV = torch.device("cuda")
 CC = torch.cuda.get_device_capability()
@@ -250,7 +251,6 @@ def test_te_linear_gemm_on_view_equals_te(name):
 
 
 # ---- 2. FSDP2 -------------------------------------------------------------------------------------
-# ``mesh``: the one-rank NCCL mesh of tests/gpu/conftest.py.
 
 
 def _make_module(kind, seed=0):

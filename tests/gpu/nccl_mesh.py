@@ -1,4 +1,5 @@
-"""Fixtures of the GPU suite (collected only where the GPU tests are)."""
+"""The one-rank NCCL mesh fixture of the GPU suite's TE module tests (a module, not a conftest.py:
+tests/conftest.py is imported by name by the CPU suite, and a second conftest would shadow it)."""
 
 import os
 import tempfile
