@@ -100,3 +100,20 @@ def test_mfu_is_model_flops_over_the_peak():
     shape = PRESETS["llama3-8b"]
     assert mfu(shape, 100.0, None) is None
     assert mfu(shape, 100.0, 989e12) == pytest.approx(shape.flops_per_token * shape.tokens * 10 / 989e12)
+
+
+def test_linear_step_counts_the_fp8_gemms_that_ran(tmp_path):
+    """The count comes from the profiler at run time: 3 scaled GEMMs per linear where torch's CPU
+    kernel runs them (``fp8_gemms("on")``), none where the emulated linear runs (the default)."""
+    from dtensor_fp8 import gemm
+
+    args = ["--shape", "toy", "--device", "cpu", "--layers", "1", "--seq", "16", "--batch", "1", "--steps", "1",
+            "--warmup", "2", "--variants", "current_bf16_masters"]
+    counts = {}
+    for mode in ("on", "auto"):
+        with gemm.fp8_gemms(mode):
+            assert linear_step.main(args + ["--out", str(tmp_path / mode)]) == 0
+        (row,) = json.loads((tmp_path / mode / "linear_step.json").read_text())["results"]
+        assert row["status"] == "ok" and "warning" not in row, row
+        counts[mode] = row["fp8_gemms_per_step"]
+    assert counts == {"on": 3 * 4, "auto": 0}
