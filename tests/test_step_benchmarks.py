@@ -63,10 +63,8 @@ def test_grouped_query_attention_matches_sdpa_enable_gqa():
 def test_shape_options_override_the_preset_and_refuse_bad_shapes(capsys):
     args, _, _ = te_step_parse(["--shape", "llama3-8b", "--layers", "2", "--seq", "4096"])
     assert args.model_shape == ModelShape(**{**vars(PRESETS["llama3-8b"]), "layers": 2, "seq": 4096})
-    assert (args.layers, args.kv_heads, args.mlp, args.bias) == (2, 8, "swiglu", False)
-    cfg = StepConfig(**vars(args.model_shape))
-    assert cfg.model_shape == args.model_shape
-    assert transformer_layer_kwargs(cfg.model_shape) == {"num_gqa_groups": 8, "normalization": "RMSNorm",
+    assert StepConfig(model_shape=args.model_shape).model_shape == args.model_shape
+    assert transformer_layer_kwargs(args.model_shape) == {"num_gqa_groups": 8, "normalization": "RMSNorm",
                                                          "activation": "swiglu", "bias": False}
     assert StepConfig().model_shape == PRESETS["te-default"]  # earlier runs' shape stays the default
     with pytest.raises(SystemExit):

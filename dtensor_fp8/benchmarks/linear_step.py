@@ -340,7 +340,7 @@ def run_te_row(name: str, cfg, mesh) -> dict:
     base_mem = _fresh(cfg.device)
     v = None
     try:
-        step_cfg = StepConfig(**dataclasses.asdict(cfg.model_shape), lr=cfg.lr, seed=cfg.seed)
+        step_cfg = StepConfig(model_shape=cfg.model_shape, lr=cfg.lr, seed=cfg.seed)
         try:
             v = build_variant("e", TE_ROWS[name], step_cfg, mesh)
         except ImportError as e:

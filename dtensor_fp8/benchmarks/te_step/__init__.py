@@ -25,7 +25,6 @@ The parts: ``variants.py`` (models, optimizers, the training step: :func:`build_
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import sys
 import tempfile
@@ -96,7 +95,6 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
         args.model_shape = shape_from_args(args)
     except ValueError as e:
         p.error(str(e))
-    vars(args).update(dataclasses.asdict(args.model_shape))  # the variants read cfg.layers, cfg.hidden ...
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
     if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1 or args.host_profile < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -122,10 +123,9 @@ def write_json(path: str, args, rows: list[Row], recipes: list[str], variants: l
                tables: dict[str, str]) -> None:
     """``te_step.json``: versions, device, date, config, the rows and the tables."""
     cc = torch.cuda.get_device_capability()
-    config = {k: getattr(args, k) for k in ("shape", "layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch",
-                                            "mlp", "norm", "bias", "steps", "warmup",
-                                            "lr", "seed", "adam", "gpu_only", "rounds", "round_steps", "host_split",
-                                            "host_profile")}
+    config = {"shape": args.shape, **dataclasses.asdict(args.model_shape)}
+    config.update({k: getattr(args, k) for k in ("steps", "warmup", "lr", "seed", "adam", "gpu_only", "rounds",
+                                                 "round_steps", "host_split", "host_profile")})
     meta = {
         "benchmark": "te_step", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "compute_capability": list(cc), "torch": torch.__version__,

@@ -25,14 +25,13 @@ masters of (b), (c), (d) start from the dequantized FP8 weights.
 
 Example (what another benchmark reuses: variant (e), current scaling, one rank)::
 
-    cfg = StepConfig(layers=2)
+    cfg = StepConfig(model_shape=ModelShape(layers=2))
     v = build_variant("e", "current", cfg, init_process_group(tmpdir))
     loss = v.step()
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -62,17 +61,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 class StepConfig:
     """The model, data and optimizer every variant shares (te_step's command line)."""
 
-    # the model's shape: ModelShape's fields (benchmarks/shapes.py), defaults its te-default preset
-    layers: int = 4
-    hidden: int = 4096
-    ffn: int = 16384
-    heads: int = 32
-    kv_heads: int = 32
-    seq: int = 2048
-    batch: int = 2
-    mlp: str = "gelu"
-    norm: str = "layernorm"
-    bias: bool = True
+    #: the model and its input (benchmarks/shapes.py; default: the te-default preset)
+    model_shape: ModelShape = field(default_factory=ModelShape)
     lr: float = 1e-4
     seed: int = 0
     adam: str = "fused"  # torch.optim.Adam implementation: "fused" or "foreach"
@@ -82,9 +72,6 @@ class StepConfig:
     nonfinite: str = "ignore"
 
 
-    @property
-    def model_shape(self) -> ModelShape:
-        return ModelShape(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape)})
 
 
 def transformer_layer_kwargs(shape: ModelShape) -> dict:
@@ -100,7 +87,7 @@ def transformer_layer_kwargs(shape: ModelShape) -> dict:
 
 def gemm_weights(cfg) -> int:
     """GEMM weights of the stack: qkv, proj, fc1, fc2 per layer."""
-    return 4 * cfg.layers
+    return 4 * cfg.model_shape.layers
 
 
 @dataclass
@@ -144,13 +131,14 @@ def build_layers(cfg: StepConfig, fp8_recipe=None) -> torch.nn.Sequential:
 
     te = te_import.require("te_step").pytorch
     torch.manual_seed(cfg.seed)
+    shape = cfg.model_shape
     ctx = te.quantized_model_init(enabled=True, recipe=fp8_recipe) if fp8_recipe is not None else nullcontext()
     with ctx:
-        layers = [te.TransformerLayer(cfg.hidden, cfg.ffn, cfg.heads, hidden_dropout=0.0, attention_dropout=0.0,
+        layers = [te.TransformerLayer(shape.hidden, shape.ffn, shape.heads, hidden_dropout=0.0, attention_dropout=0.0,
                                       fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda",
                                       self_attn_mask_type="causal", layer_number=i + 1,
-                                      **transformer_layer_kwargs(cfg.model_shape))
-                  for i in range(cfg.layers)]
+                                      **transformer_layer_kwargs(shape))
+                  for i in range(shape.layers)]
     return torch.nn.Sequential(*layers)
 
 
@@ -333,7 +321,7 @@ def build_variant(key: str, recipe_name: str, cfg: StepConfig, mesh) -> Variant:
         mesh: a 1-D CUDA device mesh (:func:`init_process_group`).
 
     Example:
-        >>> v = build_variant("e", "current", StepConfig(layers=2), mesh)
+        >>> v = build_variant("e", "current", StepConfig(model_shape=ModelShape(layers=2)), mesh)
         >>> v.step()  # loss of one training step
     """
     from ...te import te_recipe_for
@@ -347,7 +335,8 @@ def build_variant(key: str, recipe_name: str, cfg: StepConfig, mesh) -> Variant:
     variant = Variant(key, recipe_name, model, opt, notes)
     fp8_recipe = te_recipe_for(recipe)
     g = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
-    x = torch.randn(cfg.seq, cfg.batch, cfg.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = cfg.model_shape
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
     sink = variant.phase_sink
     clock = time.perf_counter
 
