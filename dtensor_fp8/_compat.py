@@ -122,14 +122,6 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def disable_aot_autograd_cache() -> None:
-    """Turn AOT autograd's on-disk cache of compiled graphs off for this process
-    (``torch._functorch.config.enable_autograd_cache``, both versions): every compile traces."""
-    import torch._functorch.config as functorch_config
-
-    functorch_config.enable_autograd_cache = False
-
-
 def preserve_version_counter(t: torch.Tensor):
     """A context in which in-place writes to ``t`` leave its autograd version counter as it was
     (``torch.autograd._unsafe_preserve_version_counter``, both versions): for buffers refilled

@@ -53,19 +53,6 @@ def test_preserve_version_counter():
     assert t._version == before + 1  # outside the context writes count again
 
 
-@touches("disable_aot_autograd_cache")
-def test_disable_aot_autograd_cache():
-    import torch._functorch.config as functorch_config
-
-    saved = functorch_config.enable_autograd_cache
-    try:
-        functorch_config.enable_autograd_cache = True
-        _compat.disable_aot_autograd_cache()
-        assert functorch_config.enable_autograd_cache is False
-    finally:
-        functorch_config.enable_autograd_cache = saved
-
-
 @touches("is_fake", "is_traced")
 def test_is_fake_and_is_traced():
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -445,13 +445,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{v:<32} {pr['total_ms']:6.1f} ms  (GEMM {pr['gemm_ms']:.1f}, attention {pr['attention_ms']:.1f}, "
                   f"memory {pr['memory_ms']:.1f} = {pr['memory_gb']:.1f} GB)")
         return 0
-    if any(v.endswith("_compiled") for v in variants):
-        # The FP8-GEMM count of a compiled step is recorded while AOT autograd traces F.linear on
-        # the FP8 weights; a hit in its on-disk cache (an earlier process) skips that tracing and
-        # the count came out short (8 of 48). Trace every time.
-        from .. import _compat
-
-        _compat.disable_aot_autograd_cache()
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
