@@ -14,8 +14,9 @@ per-group steps, the all-gather hooks and the requantization (``host_split.py``)
 re-times every variant in R interleaved rounds, ``--profile`` writes torch.profiler tables (with
 ``--trace`` the Chrome trace too, for ``gpu_gaps``),
 ``--host-profile N`` cProfile tables of N more steps (``benchmarks/host_profile.py``). The
-markdown tables (step ms, tokens/s and MFU as in ``benchmarks/shapes.py``) go to stdout, the JSON (torch / TE versions, device, date, config, one entry per
-``rows.Row``) to ``--out/te_step.json`` (``report.py``).
+markdown tables (step ms, tokens/s and MFU as ``benchmarks/shapes.py`` counts them) go to stdout,
+the JSON (torch / TE versions, device, date, config, one entry per ``rows.Row``) to
+``--out/te_step.json`` (``report.py``).
 
 The parts: ``variants.py`` (models, optimizers, the training step: :func:`build_variant`),
 ``run.py`` (one variant: warm up, time, check, free), ``timing.py``, ``host_split.py``,
