@@ -209,7 +209,9 @@ def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
     cuda = cfg.device == "cuda"
     for _ in range(cfg.warmup - len(losses)):
         losses.append(step())
-    _fresh(cfg.device)
+    if cuda:  # the peak of the timed steps alone; the allocator's cache stays warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     ms, host = [], []
     for _ in range(cfg.steps):
         if cuda:
