@@ -232,11 +232,23 @@ def _unsupported(recipe, device_type, cc, tokens, out_features, in_features, x_d
     return None
 
 
+def expected_on(device_type: str) -> bool:
+    """Whether the mode in force asks for FP8 GEMMs on ``device_type``: CUDA unless ``"off"``,
+    the CPU only under ``"on"``.
+
+    Example:
+        >>> with dtensor_fp8.gemm.fp8_gemms("auto"):
+        ...     dtensor_fp8.gemm.expected_on("cpu")
+        False
+    """
+    m = mode()
+    return m == "on" or (m == "auto" and device_type != "cpu")
+
+
 def note_fallback(reason: str, x: torch.Tensor, weight) -> None:
     """Warn, once per process and reason, that the emulated linear runs where FP8 GEMMs were
-    expected (CUDA, or the CPU under ``DTENSOR_FP8_GEMMS=on``)."""
-    m = mode()
-    if m == "off" or (x.device.type == "cpu" and m == "auto"):
+    expected (:func:`expected_on`)."""
+    if not expected_on(x.device.type):
         return
     key = f"{weight.recipe.name}: {reason}"
     if key in _warned:

@@ -317,7 +317,7 @@ def run_variant(variant: str, cfg, mesh) -> dict:
         if variant.removesuffix("_compiled") in OURS:
             expected = 3 * 4 * cfg.model_shape.layers
             row["fp8_weights"] = _fp8_shards(model)
-            if row["fp8_gemms_per_step"] != expected and gemm.mode() != "off" and (cfg.device == "cuda" or gemm.mode() == "on"):
+            if row["fp8_gemms_per_step"] != expected and gemm.expected_on(cfg.device):
                 row["warning"] = f"{row['fp8_gemms_per_step']} FP8 GEMMs in a step, expected {expected}"
         _measure(row, step, cfg, base_mem, losses)
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
