@@ -421,10 +421,7 @@ def _parse(argv):
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")
     p.add_argument("--out", default="bench_out", help="directory for linear_step.json (default ./bench_out)")
     args = p.parse_args(argv)
-    try:
-        args.model_shape = shape_from_args(args)
-    except ValueError as e:
-        p.error(str(e))
+    args.model_shape = shape_from_args(p, args)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(ALL)
     if unknown:

@@ -129,7 +129,7 @@ def add_shape_arguments(parser) -> None:
 
     Example:
         >>> p = argparse.ArgumentParser(); add_shape_arguments(p)
-        >>> shape_from_args(p.parse_args(["--shape", "llama3-8b", "--layers", "2"])).layers
+        >>> shape_from_args(p, p.parse_args(["--shape", "llama3-8b", "--layers", "2"])).layers
         2
     """
     parser.add_argument("--shape", choices=sorted(PRESETS), default="te-default",
@@ -142,15 +142,17 @@ def add_shape_arguments(parser) -> None:
     parser.add_argument("--no-bias", dest="bias", action="store_false")
 
 
-def shape_from_args(args) -> ModelShape:
-    """The preset ``args.shape`` with the fields given on the command line replaced.
-
-    Raises:
-        ValueError: the resulting shape is inconsistent (e.g. hidden not a multiple of heads).
+def shape_from_args(parser, args) -> ModelShape:
+    """The preset ``args.shape`` with the fields given on the command line replaced; an
+    inconsistent result (e.g. hidden not a multiple of heads) ends the program through
+    ``parser.error`` with the reason.
     """
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelShape)
                  if getattr(args, f.name, None) is not None}
-    return dataclasses.replace(PRESETS[args.shape], **overrides)
+    try:
+        return dataclasses.replace(PRESETS[args.shape], **overrides)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def peak_flops(device_name: str) -> float | None:

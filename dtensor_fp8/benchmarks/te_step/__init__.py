@@ -92,10 +92,7 @@ def _parse(argv) -> tuple[argparse.Namespace, list[str], list[str]]:
         p.error(f"unknown recipes {sorted(set(recipes) - set(RECIPE_NAMES))}; choose from {list(RECIPE_NAMES)}")
     if set(variants) - set(VARIANTS):
         p.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {list(VARIANTS)}")
-    try:
-        args.model_shape = shape_from_args(args)
-    except ValueError as e:
-        p.error(str(e))
+    args.model_shape = shape_from_args(p, args)
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must be >= 1")
     if args.gpu_only < 0 or args.rounds < 0 or args.round_steps < 1 or args.host_profile < 0:
