@@ -30,6 +30,7 @@ from .describe import describe
 from .linear import quantized_linear
 from .optim import MasterWeightOptimizer
 from .module import finish_init_, quantize_module_
+from .operand_scaling import update_operand_scaling_
 from .placement import check_shardable, distribute, distribute_quantized, for_usage
 from .quantize import quantize, te_layout
 from .tensor import QuantizedTensor
@@ -44,4 +45,5 @@ __all__ = [
     "describe", "export_hp_state_dict", "high_precision_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "finish_init_", "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
     "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module", "QuantizedTransposeView",
+    "update_operand_scaling_",
 ]

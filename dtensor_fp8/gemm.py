@@ -18,9 +18,10 @@ Activations and output gradients are quantized with the recipes the weight's rec
 included), so their bytes are what :meth:`Recipe.quantize_operand` gives. Delayed scaling keeps
 an amax history per weight for its activations and one for its gradients (TE keeps one per
 module), in the weight's owner record (``QuantizedTensor.param_state``, shared by FSDP's shard
-and the unsharded weight it gathers; saved in the model's state dict). Each amax is all-reduced
-(MAX) over the world before it enters the history, as TE reduces delayed scaling's amaxes over
-its group by default, so every rank holds the same history (see ``param_state.py``).
+and the unsharded weight it gathers; saved in the model's state dict). A GEMM records its local
+amax only: no collective runs inside compute. Once per step the recorded amaxes are reduced over
+the weight's own mesh groups and the histories updated (``operand_scaling.py``), as TE reduces
+and updates once per region, so every rank holding the weight keeps the same history.
 
 Elsewhere the emulated linear of ``linear.py`` runs: on the CPU unless asked for
 (``DTENSOR_FP8_GEMMS=on`` or :func:`fp8_gemms`; torch's CPU kernel covers tensorwise scaling
@@ -39,7 +40,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import _compat, settings
 from .formats.base import COLUMNWISE, ROWWISE, BlockShape, Plane, transpose_2d
@@ -275,14 +275,6 @@ def operand_states(weight) -> dict:
     return _states(weight, weight.device)
 
 
-def _world_max(amax: torch.Tensor) -> torch.Tensor:
-    """``amax`` reduced (MAX) over the world, as TE reduces delayed scaling's amaxes."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        amax = amax.clone()
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    return amax
-
-
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, needs_wgrad: bool):
@@ -291,8 +283,7 @@ class _FP8Linear(torch.autograd.Function):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         states = _states(weight, x.device)
-        planes, new_state = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states.get("input"),
-                                                     reduce_amax=_world_max)
+        planes, new_state = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states.get("input"))
         if new_state is not None:
             states["input"] = new_state
         a = operand(planes[ROWWISE], g.input.block_shape(ROWWISE), 1)
@@ -320,8 +311,7 @@ class _FP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if need_dx or need_dw:
             states = _states(weight, dy.device)
-            planes, new_state = g.grad.quantize_operand(dy, rowwise=need_dx, columnwise=need_dw, state=states.get("grad"),
-                                                        reduce_amax=_world_max)
+            planes, new_state = g.grad.quantize_operand(dy, rowwise=need_dx, columnwise=need_dw, state=states.get("grad"))
             if new_state is not None:
                 states["grad"] = new_state
         if need_dx:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from . import groups
 from .formats.base import Recipe, RecipeError
 from ._compat import dtensor_local
 from .placement import local_tensor
@@ -167,7 +167,8 @@ def _why_not_quantizable(name: str, weight: torch.Tensor, recipe: Recipe, places
 def finish_init_(model: nn.Module) -> list[str]:
     """Make the FP8 bytes of every weight built on the meta device from the values your init
     wrote (see the note); a no-op for weights whose bytes are made. Call it on every rank (a
-    per-tensor recipe's scale needs the amax over all shards: one all-reduce for all weights).
+    per-tensor recipe's scale needs the amax over all shards: one all-reduce per mesh group that
+    shards such weights, for all of them).
     :class:`MasterWeightOptimizer` calls it; call it yourself only to run a model without one.
 
     The bytes equal ``quantize(full_weight, recipe)``'s: blocks inside a shard from the shard,
@@ -195,20 +196,19 @@ def finish_init_(model: nn.Module) -> list[str]:
             raise RecipeError(f"finish_init_: {name} {tuple(q.shape)} holds NaN or Inf after your init: FP8 cannot store "
                               "them faithfully; fix the init")
     # Per-block amaxes; those of blocks spanning a sharded dim (per-tensor scales) are reduced over
-    # the world in one all-reduce (ranks that replicate a shard contribute the same values).
+    # the mesh dims sharding them (groups.py), one all-reduce per group for all weights.
     jobs, spanning = [], []
     for name, p, q in pending:
+        groups.bind_layout_(p)
         dims = sharded_dims(p)
         for usage in q.planes:
             amax = q.recipe.block_amax(q.hp_init.reshape(q.planes[usage].data.shape), usage)
             jobs.append((q, usage, amax))
             if any(q.recipe.spans_dim(usage, d) for d in dims):
-                spanning.append(len(jobs) - 1)
-    if spanning and dist.is_initialized() and dist.get_world_size() > 1:
-        flat = torch.cat([jobs[i][2].reshape(-1) for i in spanning])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        for i, part in zip(spanning, flat.split([jobs[i][2].numel() for i in spanning])):
-            jobs[i] = (jobs[i][0], jobs[i][1], part.reshape(jobs[i][2].shape))
+                spanning.append((len(jobs) - 1, groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))))
+    reduced = groups.max_by_groups_([jobs[i][2] for i, _ in spanning], [gs for _, gs in spanning])
+    for (i, _), amax in zip(spanning, reduced, strict=True):
+        jobs[i] = (jobs[i][0], jobs[i][1], amax)
     for q, usage, amax in jobs:
         plane = q.planes[usage]
         fresh = q.recipe.quantize_plane(q.hp_init.reshape(plane.data.shape), usage, amax=amax)

@@ -53,15 +53,16 @@ import warnings
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .formats.base import USAGES
+from .groups import bind_layout_, max_over_, mesh_groups, union_over
 from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
+from .operand_scaling import update_operand_scaling_
 from .optim_state import StateView, as_global, localize
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
@@ -146,6 +147,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._inner_of: dict[torch.Tensor, torch.Tensor] = {}
         with torch.no_grad():
             for p in (p for g in groups for p in g["params"]):
+                bind_layout_(p)
                 local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
                 if isinstance(local, QuantizedTensor):
                     init = local.take_hp_init()
@@ -233,6 +235,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._drop_inner_gradients()
         self._generation += 1
         if not materializing:
+            update_operand_scaling_(self._masters)  # delayed scaling's GEMM operands: once per step
             self.requantize_()
         return loss
 
@@ -368,45 +371,42 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if key != "params" and inner.get(key) is not value:
                     inner[key] = value
 
+    def _agreement_groups(self) -> tuple:
+        """The process groups over which every rank stepping these parameters must decide alike: the
+        mesh dims of the parameters' own meshes (``groups.py``), never the world (under pipeline
+        parallelism the other stages step other parameters, at other times)."""
+        return mesh_groups(self._inner_of)
+
     def _refuse_nonfinite_masters(self, states: dict) -> None:
         """Raise on every rank alike if a master about to be loaded holds NaN or Inf on any rank
         (each rank sees its own shard: the finding is shared, so no rank loads while another raises)."""
         bad = sorted(self._fqn_of(p) for p in self._masters
                      if isinstance(states.get(p, {}).get(MASTER_KEY), torch.Tensor)
                      and not bool(torch.isfinite(local_tensor(states[p][MASTER_KEY])).all()))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, bad)
-            bad = sorted({name for names in everyone for name in names})
+        bad = union_over(bad, self._agreement_groups())
         if bad:
             raise FloatingPointError(f"MasterWeightOptimizer.load_state_dict: the master of {', '.join(bad[:6])} holds "
                                      "NaN or Inf; load an earlier checkpoint (or pass nonfinite='ignore')")
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
-        one all-reduce of a flag, one host read (what torch's GradScaler pays per step too)."""
+        one all-reduce of a flag per mesh group, one host read (what torch's GradScaler pays per step too)."""
         grads = [t.grad for t in self._inner_of.values() if t.grad is not None]
+        device = next(iter(self._inner_of.values())).device if self._inner_of else torch.device("cpu")
         if not grads:
-            flag = torch.zeros(1)
+            flag = torch.zeros(1, device=device)
         else:
             # The inf-norm (max |g|) is NaN or Inf exactly when an element is; it cannot overflow.
             norms = torch._foreach_norm(grads, float("inf"))
             flag = (~torch.stack([n.float() for n in norms]).isfinite()).any().float().reshape(1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = flag.device if flag.device.type != "cpu" else _collective_device()
-            flag = flag.to(device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same decision
+        flag = max_over_(flag, self._agreement_groups())  # every rank takes the same decision
         return bool(flag.item())
 
     def _nonfinite_parameters(self) -> list[str]:
         """FQNs of the parameters whose gradient is not finite, on any rank (the error path only)."""
         local = sorted(self._fqn[p] for p, t in self._inner_of.items()
                        if t.grad is not None and not bool(torch.isfinite(t.grad).all()))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, local)
-            local = sorted({name for names in everyone for name in names})
-        return local
+        return union_over(local, self._agreement_groups())
 
     def _drop_inner_gradients(self) -> None:
         """Drop the inner tensors' references to this step's gradients (the model's own gradients stay
@@ -490,12 +490,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if p in self._masters:
             out.update(local_tensor(p).param_state.weight_entries())
         return out
-
-
-def _collective_device() -> torch.device:
-    """The device a tensor of the default process group's collectives lives on."""
-    backend = dist.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
 
 
 def _param_groups(params) -> list[dict]:

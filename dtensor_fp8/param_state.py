@@ -27,6 +27,9 @@ the unsharded weight's                                                ``_compat`
 scale copies
 the unsharded view (TE)       ``FP8ParamState.gather.unsharded_view`` by ``quantize_te_module_`` /     not saved
                                                                       with the record
+mesh and placements (the      ``FP8ParamState.layout``                by the first caller that sees    not saved (the DTensor's own)
+process groups of its                                                 the DTensor (``groups.bind_
+scaling decisions)                                                    layout_``) / with the record
 transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
                               cache``)                                or by the dgrad GEMM / after
                                                                       its one use
@@ -38,10 +41,13 @@ slices) refers to the same record, so the FP8 GEMMs of a gathered weight update 
 checkpoint saves. The optimizer holds masters and its inner optimizer's state; it reads and
 writes the weight scaling state through this record and does not own it.
 
-Operand scaling state is identical on every rank: each GEMM's activation / gradient amax is
-all-reduced (MAX) over the world before it enters the history, as Transformer Engine reduces
-delayed scaling's amaxes over its group by default. That is what lets a checkpoint save one copy
-and load it at any world size, and a resumed run continue bit-identically.
+Operand scaling state is identical on every rank that holds the weight: a GEMM records its
+activation / gradient amax locally (``history[0]``, a running max), and the update that rolls
+the history and gives the next scale runs once per optimizer step (``operand_scaling.py``), with
+one MAX all-reduce of the recorded amaxes over the weight's own mesh groups first (``groups.py``),
+as Transformer Engine reduces delayed scaling's amaxes over its amax reduction group once per
+region rather than per GEMM. That is what lets a checkpoint save one copy and load it at any
+world size, and a resumed run continue bit-identically.
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ class FP8ParamState:
         operand_scaling: ``"input"`` / ``"grad"`` -> the scaling state of the FP8 GEMMs'
             activations / output gradients (``Recipe.operand_state``); empty for recipes without.
         gather: FSDP2's per-gather state of the parameter (:class:`GatherState`).
+        layout: ``(mesh, placements)`` of the parameter's DTensor, bound by the first caller that
+            sees it as one (``groups.bind_layout_``: the optimizer, ``finish_init_``, a
+            requantization); the process groups its scaling decisions reduce over derive from it
+            (``groups.py``). ``None`` for a weight that is not (yet) a DTensor.
 
     Example:
         >>> q = dtensor_fp8.quantize(w, dtensor_fp8.DelayedScaling())
@@ -111,6 +121,7 @@ class FP8ParamState:
     weight_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     gather: GatherState = field(default_factory=GatherState)
+    layout: tuple | None = None
 
     def weight_state(self, recipe, usage: str, plane) -> dict[str, torch.Tensor] | None:
         """The weight scaling state of ``usage``'s plane, created from the plane's current scale

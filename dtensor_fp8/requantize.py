@@ -13,9 +13,9 @@ takes the next scale from TE's update rule.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from . import groups
 from .placement import local_tensor, shard_dim
 
 
@@ -64,19 +64,22 @@ class _RequantizePlan:
     bookkeeping after it (:meth:`finish`)."""
 
     def __init__(self, items):
-        jobs, spanning = [], {}
+        jobs, spanning, reduce_over = [], {}, {}
         for name, p, hp in items:
+            groups.bind_layout_(p)
             q = local_tensor(p)
             sharded = sharded_dims(p)
             for usage in q.planes:
-                # Only blocks that span a sharded dim need their amax now (to reduce it); the recipe
-                # computes the others itself, fused into its quantization where it can.
+                # Only blocks that span a sharded dim need their amax now (to reduce it over the
+                # mesh dims sharding it); the recipe computes the others itself, fused into its
+                # quantization where it can.
                 if any(q.recipe.spans_dim(usage, d) for d in sharded):
                     spanning.setdefault((q.recipe, usage), []).append(len(jobs))
+                    reduce_over[len(jobs)] = groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))
                 jobs.append((name, q, hp, usage))
-        self.jobs, self.spanning = jobs, spanning
-        #: whether run() all-reduces amaxes (blocks spanning shards, more than one rank)
-        self.reduces = bool(spanning) and dist.is_initialized() and dist.get_world_size() > 1
+        self.jobs, self.spanning, self.reduce_over = jobs, spanning, reduce_over
+        #: whether run() all-reduces amaxes (blocks spanning shards on a mesh dim of more than one rank)
+        self.reduces = groups.reduces(reduce_over.values())
         # One batch per (recipe, plane) for all its tensors: per-tensor scales are computed together.
         self.batches: dict = {}
         for i, (name, q, hp, usage) in enumerate(jobs):
@@ -95,13 +98,11 @@ class _RequantizePlan:
                 for i, amax in zip(idx, recipe.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
                     amaxes[i] = amax
             if self.reduces:
-                # One MAX all-reduce over the world group, whatever the mesh (dp, or dp x tp): ranks
-                # that replicate a shard contribute identical amaxes, so reducing over them is harmless.
+                # One MAX all-reduce per group over the amaxes of every weight sharded over it.
                 order = [i for idx in self.spanning.values() for i in idx]
-                flat = torch.cat([amaxes[i].reshape(-1) for i in order])
-                dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-                for i, part in zip(order, flat.split([amaxes[i].numel() for i in order])):
-                    amaxes[i] = part.reshape(amaxes[i].shape)
+                reduced = groups.max_by_groups_([amaxes[i] for i in order], [self.reduce_over[i] for i in order])
+                for i, amax in zip(order, reduced, strict=True):
+                    amaxes[i] = amax
         kept, fresh = [], []
         for (recipe, usage), batch in self.batches.items():
             idx, hps, planes, states = zip(*batch)
@@ -150,7 +151,7 @@ class GraphedRequantize:
     (:func:`_fingerprint`, checked every step) change when a weight, master, plane or state is
     replaced (a checkpoint loaded with ``assign=True``, loaded scaling states), and the step then
     runs eagerly once and captures again. Not captured: requantizations that all-reduce amaxes
-    (per-tensor recipes on more than one rank: a collective inside a graph is not what every
+    (per-tensor recipes sharded over more than one rank: a collective inside a graph is not what every
     process group supports), CPU tensors, and the first step with new tensors (it creates the
     scaling states and warms up the kernels). A capture that fails turns graphs off for this
     optimizer, with the reason in :attr:`disabled_reason`; the step then runs eagerly.

@@ -110,7 +110,8 @@ def test_fp8_linear_agrees_with_the_emulated_linear():
 
 def test_delayed_scaling_keeps_te_amax_history_per_weight():
     """Step 1 casts x with TE's initial scale 1.0 and records its amax; the next step's scale is
-    fp8_max / max(history) (TE's update after the forward)."""
+    fp8_max / max(history) (TE's update, here once per step: update_operand_scaling_). A second
+    forward before the update (a recompute, a micro-batch) casts with the same scale."""
     recipe = d.DelayedScaling(amax_history_len=4)
     w, x, dy = _inputs(2)
     q = d.quantize(w, recipe).requires_grad_(True)
@@ -119,6 +120,12 @@ def test_delayed_scaling_keeps_te_amax_history_per_weight():
         for step in range(3):
             xs = (x * (step + 1)).requires_grad_(True)
             F.linear(xs, q).backward(dy)
+            if step == 0:  # the same step again: recorded, not yet updated
+                F.linear(xs, q).backward(dy)
+            assert d.update_operand_scaling_([q]) == 2
+    before = [e["a"].scale_inv.item() for e in log if e["gemm"] == "fprop"]
+    assert before[0] == before[1] == 1.0
+    del log[0:3]  # the repeated forward's fprop, dgrad and wgrad
     scales = [e["a"].scale_inv.item() for e in log if e["gemm"] == "fprop"]
     amax = [float((x * (s + 1)).float().abs().max()) for s in range(3)]
     assert scales[0] == 1.0

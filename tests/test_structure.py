@@ -30,8 +30,8 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 LAYERS = [
     ("recipes", ["settings", "_compat", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
-    ("distributed", ["ops", "ops.*", "placement", "fsdp", "tp", "comm"]),
-    ("training / checkpoint", ["requantize", "optim", "optim_follow", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
+    ("distributed", ["ops", "ops.*", "placement", "groups", "fsdp", "tp", "comm"]),
+    ("training / checkpoint", ["requantize", "operand_scaling", "optim", "optim_follow", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),
     ("top", ["te", "__init__", "benchmarks", "benchmarks.*"]),
 ]
@@ -257,3 +257,70 @@ def test_one_module_reads_the_environment():
     assert readers == [ENVIRONMENT_READER], (
         f"modules reading os.environ / os.getenv: {readers}; only dtensor_fp8/settings.py may (add a field to its "
         "Settings and read settings.current() instead)")
+
+
+# ---- every collective names its process group ---------------------------------------------------------
+#: torch.distributed functions that communicate (or read the group's size / rank), with the position of
+#: their group argument when passed positionally. Under pipeline parallelism each stage runs different
+#: code: a collective on the default (world) group inside a stage's work pairs it with another stage's,
+#: or waits for one that never comes. The library derives every group from a weight's mesh (groups.py).
+COLLECTIVES = {
+    "all_reduce": 2, "all_gather": 2, "all_gather_object": 2, "all_gather_into_tensor": 2, "all_to_all": 2,
+    "all_to_all_single": 4, "reduce_scatter": 3, "reduce_scatter_tensor": 3, "broadcast": 2, "broadcast_object_list": 2,
+    "barrier": 0, "monitored_barrier": 0, "gather": 3, "gather_object": 3, "scatter": 3, "scatter_object_list": 3,
+    "reduce": 3, "send": 2, "recv": 2, "isend": 2, "irecv": 2, "get_world_size": 0, "get_rank": 0,
+    # torch.distributed._functional_collectives (funcol): the group is their third argument
+    "all_gather_tensor": 2, "all_gather_single": 2, "all_reduce_coalesced": 2, "wait_tensor": None,
+}
+#: the names this module's readers bind torch.distributed (and its functional collectives) to
+DIST_MODULES = {"torch.distributed", "torch.distributed._functional_collectives"}
+
+
+def ungrouped_collectives(source: str) -> list[str]:
+    """Calls of torch.distributed collectives in ``source`` that pass no process group (``group=``, or
+    the positional slot), as ``"name:line"``."""
+    tree = ast.parse(source)
+    aliases, direct = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name in DIST_MODULES and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module in DIST_MODULES:
+            direct |= {a.asname or a.name: a.name for a in node.names if a.name in COLLECTIVES}
+            aliases |= {a.asname or a.name for a in node.names if a.name == "_functional_collectives"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "distributed" for a in node.names):
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f, name = node.func, None
+        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES:
+            base = ast.unparse(f.value)
+            if base in aliases or base in DIST_MODULES:
+                name = f.attr
+        elif isinstance(f, ast.Name) and f.id in direct:
+            name = direct[f.id]
+        if name is None or COLLECTIVES[name] is None:
+            continue
+        slot = COLLECTIVES[name]
+        named = any(k.arg in ("group", "process_group", "pg") for k in node.keywords) or len(node.args) > slot
+        if not named:
+            found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_the_collective_check_sees_what_it_looks_for():
+    src = ("import torch.distributed as dist\nfrom torch.distributed import all_gather_object as ago\n"
+           "import torch.distributed._functional_collectives as funcol\n"
+           "dist.all_reduce(t, op=dist.ReduceOp.MAX)\ndist.all_reduce(t, dist.ReduceOp.MAX, g)\n"
+           "dist.all_reduce(t, group=g)\nago(out, x)\ndist.get_world_size()\ndist.get_rank(g)\n"
+           "funcol.all_gather_tensor(t, 0, g)\nfuncol.all_gather_tensor(t, 0)\nother.all_reduce(t)\n")
+    assert ungrouped_collectives(src) == ["all_reduce:4", "all_gather_object:7", "get_world_size:8", "all_gather_tensor:11"]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_collective_names_its_group(name):
+    found = ungrouped_collectives(MODULES[name].read_text())
+    assert not found, (f"dtensor_fp8/{MODULES[name].relative_to(PACKAGE)}: torch.distributed calls without a process "
+                       f"group ({', '.join(found)}): pass the group derived from the weight's mesh (dtensor_fp8/groups.py), "
+                       "or group=dist.group.WORLD where a whole-job command (a benchmark's main) means the world")

@@ -87,12 +87,12 @@ def _run(rank: int, world: int, store: str, flow: str, dim: int, layers: int, ou
     opt.zero_grad()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peaks = [None] * world
-    dist.all_gather_object(peaks, (rss1 - rss0) * 1024)
+    dist.all_gather_object(peaks, (rss1 - rss0) * 1024, group=dist.group.WORLD)
     if rank == 0:
         numel = dim * dim * layers
         with open(os.path.join(out, f"{flow}-{world}.json"), "w") as f:
             json.dump({"flow": flow, "world_size": world, "numel": numel, "peak_bytes_per_rank": peaks}, f)
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     dist.destroy_process_group()
 
 

@@ -98,11 +98,11 @@ def _fresh_like(state):
 def _timed(fn, sync: bool) -> float:
     if sync:  # earlier saves' writeback must not land on this one's fsyncs
         os.sync()
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     start = time.perf_counter()
     fn()
     elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
     return float(elapsed)
 
 
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, store: str, gib: float, reps: int, out: str) 
     contiguous = [t.contiguous() for t in local]
     buffers = [torch.ones_like(t) for t in contiguous]  # touched: no page faults in the timing
     total = torch.tensor(local_bytes, dtype=torch.float64)
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=dist.group.WORLD)
     work = os.path.join(out, "work")
     times: dict[str, list[float]] = {}
 
@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, store: str, gib: float, reps: int, out: str) 
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
             os.makedirs(work)
-        dist.barrier()
+        dist.barrier(group=dist.group.WORLD)
         plain, summed, root = (os.path.join(work, n) for n in ("plain", "summed", "atomic"))
         saves = [("dcp save", lambda: dcp.save(state, checkpoint_id=plain)),
                  ("checksums save", lambda: dcp.save(state, storage_writer=ChecksumFileSystemWriter(summed),
@@ -185,7 +185,7 @@ def _worker(rank: int, world: int, store: str, gib: float, reps: int, out: str) 
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"times_s": times, "bytes_total": float(total), "bytes_per_rank": local_bytes,
                        "hash_gbps_rank0": hashes}, f)
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     if rank == 0:
         shutil.rmtree(work, ignore_errors=True)
     dist.destroy_process_group()

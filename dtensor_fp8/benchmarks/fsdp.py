@@ -96,7 +96,7 @@ def _run_variant(rank: int, world: int, store: str, variant: str, dim: int, laye
     if rank == 0:
         with open(os.path.join(out, f"{variant}.json"), "w") as f:
             json.dump(result, f)
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     dist.destroy_process_group()
 
 

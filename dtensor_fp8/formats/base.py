@@ -265,16 +265,16 @@ class Recipe(abc.ABC):
         function of the data alone."""
         return None
 
-    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None, reduce_amax=None):
+    def quantize_operand(self, hp: torch.Tensor, *, rowwise: bool, columnwise: bool, state=None):
         """Quantize a GEMM operand (activations, output gradients): the stored planes serving the
-        usages asked for, and the scaling state for the next call.
+        usages asked for, and the scaling state for the next call (a stateful recipe records the
+        operand's local amax in it; :meth:`update_operand_states_` later turns the recorded amaxes,
+        reduced over ranks, into the next scales).
 
         Args:
             hp: 2-D high-precision tensor.
             rowwise, columnwise: the usages needed.
             state: from :meth:`operand_state` or the previous call (stateful recipes).
-            reduce_amax: applied to the amax a stateful recipe records in its history (the
-                caller's reduction over ranks, so every rank keeps the same state); ``None``: local.
 
         Returns:
             ``(planes by usage, state)``: a plane for each usage asked for (for transpose-derived
@@ -286,6 +286,29 @@ class Recipe(abc.ABC):
         """
         stored = {u: self.quantize_plane(hp, u) for u in self.stored_usages(rowwise, columnwise)}
         return {u: stored[self.stored_usage(u)] for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on}, state
+
+    def recorded_operand_amax(self, state) -> torch.Tensor | None:
+        """The amax a stateful operand quantizer recorded since its last update, shape ``(1,)`` (a
+        view into ``state``; the caller reduces it over ranks in place), or ``None`` for recipes
+        without operand state.
+
+        Example:
+            >>> DelayedScaling().recorded_operand_amax(state)   # history[0]
+            tensor([3.5])
+        """
+        return None
+
+    def update_operand_states_(self, states: list) -> None:
+        """Turn the recorded (and reduced) amaxes of ``states`` into their next scales, in place (TE's
+        delayed-scaling update, once per step for all operands of this recipe); a no-op for recipes
+        without operand state.
+
+        Args:
+            states: operand states of this recipe (from :meth:`operand_state`).
+
+        Example:
+            >>> DelayedScaling().update_operand_states_([input_state, grad_state])
+        """
 
     def quantize_planes(self, hp: torch.Tensor, usages: tuple[str, ...], *, scale=None) -> dict[str, Plane]:
         """:meth:`quantize_plane` of each stored usage in ``usages``; recipes with a kernel that

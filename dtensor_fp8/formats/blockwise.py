@@ -123,7 +123,7 @@ class Blockwise(Recipe):
             return self._triton(usages, hp=hp)
         return super().quantize_planes(hp, usages, scale=scale)
 
-    def quantize_operand(self, hp, *, rowwise, columnwise, state=None, reduce_amax=None):
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
         if fast_path(self, hp) == "triton":  # 1-D columnwise plane written transposed, as wgrad reads it
             usages = tuple(u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
             planes = self._triton(usages, hp=hp, columnwise_transposed=True)

@@ -145,7 +145,7 @@ class MXFP8(Recipe):
             return kernels("mxfp8").quantize(hp, self.fp8_dtype, rowwise=ROWWISE in usages, columnwise=COLUMNWISE in usages)
         return super().quantize_planes(hp, usages, scale=scale)
 
-    def quantize_operand(self, hp, *, rowwise, columnwise, state=None, reduce_amax=None):
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
         if self._triton(hp):  # the columnwise plane written transposed, as the wgrad GEMM reads it
             return kernels("mxfp8").quantize(hp, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise,
                                              columnwise_transposed=True), state

@@ -232,21 +232,31 @@ class DelayedScaling(_PerTensor):
         return {"amax_history": torch.zeros(self.amax_history_len, device=device),
                 "scale": torch.ones(1, device=device)}
 
-    def quantize_operand(self, hp, *, rowwise, columnwise, state=None, reduce_amax=None):
+    def quantize_operand(self, hp, *, rowwise, columnwise, state=None):
         """TE's delayed scaling of an activation or gradient: the cast uses the scale the history
-        gave so far and records its amax in ``history[0]``; the update TE runs when the autocast
-        region ends (forward) or after the backward (gradients) then rolls the history and gives
-        the next scale. Here that update follows each cast (the same, for a layer called once per
-        step). ``reduce_amax`` (the caller's MAX over ranks, as TE's ``reduce_amax``) makes the
-        recorded amax, and so the state, the same on every rank."""
+        gave so far and records its local amax in ``history[0]`` (a running max: a recompute of
+        the same forward records nothing new). The update that rolls the history and gives the
+        next scale is :meth:`update_operand_states_`, run once per step after the recorded amaxes
+        were reduced over the weight's ranks (TE reduces and updates once per autocast region)."""
         if state is None:
             state = self.operand_state(hp.device)
         scale = state["scale"].float().reshape(1)
         planes = self._operand_planes(hp, rowwise, columnwise, scale=scale)
-        amax = self.block_amax(hp, ROWWISE)
-        history = self.record_amax(state["amax_history"], amax if reduce_amax is None else reduce_amax(amax))
-        history, scale = self.update_scale(history, scale)
-        return planes, {"amax_history": history, "scale": scale}
+        history = self.record_amax(state["amax_history"], self.block_amax(hp, ROWWISE))
+        return planes, {"amax_history": history, "scale": state["scale"]}
+
+    def recorded_operand_amax(self, state):
+        return state["amax_history"][:1]
+
+    def update_operand_states_(self, states):
+        if not states:
+            return
+        histories, scales = self._update_scales(torch.stack([s["amax_history"].float() for s in states]),
+                                                torch.cat([s["scale"].float().reshape(1) for s in states]))
+        kept = [t for s in states for t in (s["amax_history"], s["scale"])]
+        fresh = [t for h, sc, s in zip(histories.unbind(0), scales.unbind(0), states, strict=True)
+                 for t in (h, sc.reshape(s["scale"].shape))]
+        torch._foreach_copy_(kept, fresh)  # in place: checkpoint templates and graphs refer to these tensors
 
     def initial_scaling_state(self, current):
         history = torch.zeros(self.amax_history_len, device=current.scale_inv.device)
