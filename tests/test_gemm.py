@@ -137,6 +137,35 @@ def test_delayed_scaling_keeps_te_amax_history_per_weight():
     assert grad_scales[0] == 1.0 and grad_scales[1] == pytest.approx(float(dy.float().abs().max()) / 57344.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_delayed_scaling_recompute_records_nothing_twice(use_reentrant):
+    """Activation checkpointing around part of a forward recomputes the FP8 GEMM inside backward: the
+    recompute casts with the same scale (updates run once per step, not per call) and records the
+    same amax, so outputs, gradients and the operand histories equal the run without recompute,
+    byte for byte, over three steps."""
+    recipe = d.DelayedScaling(amax_history_len=4)
+    w, x, dy = _inputs(4)
+
+    def run(checkpointed):
+        q = d.quantize(w, recipe).requires_grad_(True)
+        out = []
+        with gemm.fp8_gemms("on"):
+            for step in range(3):
+                xs = (x * (step + 1)).requires_grad_(True)
+                f = lambda t: torch.nn.functional.gelu(F.linear(t, q))  # noqa: E731
+                y = torch.utils.checkpoint.checkpoint(f, xs, use_reentrant=use_reentrant) if checkpointed else f(xs)
+                y.backward(dy)
+                d.update_operand_scaling_([q])
+                out += [y.detach(), xs.grad, q.grad.clone()]
+                q.grad = None
+        return out + [t.clone() for t in q.param_state.operand_entries().values()]
+
+    plain, recomputed = run(False), run(True)
+    assert len(plain) == 9 + 4
+    for i, (a, b) in enumerate(zip(plain, recomputed, strict=True)):
+        assert_bytes_equal(a, b, f"tensor {i}")
+
+
 @pytest.mark.parametrize("recipe", [d.Blockwise(block_dims=2), d.Blockwise(block_dims=1)], ids=lambda r: r.name)
 def test_blockwise_scale_layouts_pass_torch_checks(recipe):
     """Each GEMM's operands, laid out as gemm.scaled_mm hands them to F.scaled_mm, satisfy torch's
