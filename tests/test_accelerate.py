@@ -24,6 +24,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from torch.distributed.fsdp import fully_shard
 
 import dtensor_fp8 as d
@@ -32,6 +33,12 @@ from test_hf_llama import FP8_WEIGHTS, _config, _global_mean, _snapshot, _tokens
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
+#: pyproject's ``frameworks`` extra: with 1.15 (the GPU image of issue 41) the FSDP2 plugin's
+#: ``transformer_based_wrap`` did not find the model's decoder-layer class.
+MIN_ACCELERATE = "1.16"
+if Version(accelerate.__version__) < Version(MIN_ACCELERATE):
+    pytest.skip(f"needs accelerate>={MIN_ACCELERATE} (pyproject's frameworks extra), found {accelerate.__version__}: "
+                f"pip install 'accelerate>={MIN_ACCELERATE},<2'", allow_module_level=True)
 
 RECIPE = "mxfp8"  # two planes, 32-row blocks: the recipe where a wrong plane or a lost shard shows most
 LR = 2e-3

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import dtensor_fp8 as d
 from conftest import assert_bytes_equal
+from dist_utils import DEVICE
 from dtensor_fp8 import gemm
 from dtensor_fp8._compat import TORCH_VERSION
 from dtensor_fp8.formats.base import BlockShape
@@ -228,10 +229,36 @@ def test_blockwise_scale_layouts_pass_torch_checks(recipe):
             F.scaled_mm(*refused, output_dtype=torch.bfloat16)
     else:
         assert F.scaled_mm(*refused, output_dtype=torch.bfloat16).shape == (a.data.shape[0], b.data.shape[0])
-    # The CPU's eager kernel has no block scaling: it refuses even the right layout, before any
-    # stride check (so that check is asserted on CUDA only).
-    with pytest.raises(ValueError, match="Invalid scaling configuration"):
-        F.scaled_mm(a.data, b.data.t(), sa, S.BlockWise1x128, sb, getattr(S, lb.kind), output_dtype=torch.bfloat16)
+    _eager_block_gemm(recipe, a, b, sa, sb, lb, row_major)
+
+
+#: How the CPU refuses a block-scaled GEMM: torch's CPU kernel of ``_scaled_mm_v2`` (2.13 here)
+#: refuses the scaling types (ValueError); a torch without that kernel (2.11: the GPU machine's
+#: NCCL run of issue 41 found none) has nothing to dispatch a CPU call to (NotImplementedError).
+CPU_BLOCK_REFUSAL = (ValueError, NotImplementedError)
+CPU_BLOCK_REFUSAL_MESSAGE = r"Invalid scaling configuration|Could not run 'aten::_scaled_mm_v2' with arguments from the 'CPU' backend"
+
+
+def _eager_block_gemm(recipe, a, b, sa, sb, lb, row_major):
+    """Eager ``scaled_mm`` on the operands, on the suite's device (``DTENSOR_FP8_TEST_BACKEND``):
+    the CPU has no block-scaled GEMM and refuses even the right layout, before any stride check;
+    on CUDA (where the device runs block-scaled GEMMs) the right layout runs and the row-major
+    1x128 scale is refused by its strides, as tests/gpu/test_gemm_gpu.py asserts too."""
+    S = F.ScalingType
+    args = lambda scale_a: [t.to(DEVICE) for t in (a.data, b.data.t(), scale_a)]  # noqa: E731
+    right = (*args(sa), S.BlockWise1x128, sb.to(DEVICE), getattr(S, lb.kind))
+    if DEVICE == "cpu":
+        with pytest.raises(CPU_BLOCK_REFUSAL, match=CPU_BLOCK_REFUSAL_MESSAGE):
+            F.scaled_mm(*right, output_dtype=torch.bfloat16)
+        return
+    with gemm.fp8_gemms("auto"):
+        reason = gemm.unsupported_reason(torch.empty(a.data.shape, device=DEVICE, dtype=torch.bfloat16),
+                                         d.quantize(torch.zeros(b.data.shape, device=DEVICE), recipe))
+    if reason is not None:
+        pytest.skip(f"{recipe.name}: no block-scaled GEMMs on this {DEVICE} device: {reason}")
+    assert F.scaled_mm(*right, output_dtype=torch.bfloat16).shape == (a.data.shape[0], b.data.shape[0])
+    with pytest.raises((ValueError, RuntimeError), match=r"scale_a (must have strides|strides must be)"):
+        F.scaled_mm(*args(row_major), S.BlockWise1x128, sb.to(DEVICE), getattr(S, lb.kind), output_dtype=torch.bfloat16)
 
 
 def test_blockwise_dgrad_uses_the_transpose_and_columnwise_planes():

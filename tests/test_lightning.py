@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import dtensor_fp8 as d
-from dist_utils import WORLD_SIZES
+from dist_utils import BACKEND, DEVICE, WORLD_SIZES, backend_spec
 from test_hf_llama import FP8_WEIGHTS, _config, _global_mean, _tokens
 
 fabric_module = pytest.importorskip("lightning.fabric")
@@ -29,6 +29,13 @@ strategies = pytest.importorskip("lightning.fabric.strategies")
 transformers = pytest.importorskip("transformers")
 
 LR, STEPS = 2e-3, 4
+#: Fabric's accelerator is the suite's device: "cuda" puts rank r on cuda:r (its ``LOCAL_RANK``),
+#: as the NCCL backend does, and Fabric's meshes, hence FSDP2's shards, are on it.
+ACCELERATOR = DEVICE
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not backend_spec(BACKEND).gpu_per_rank,
+    reason=f"Fabric places one rank per GPU (it refuses duplicate device ids); DTENSOR_FP8_TEST_BACKEND={BACKEND} "
+           "puts every rank on cuda:0: run it under gloo or nccl")
 
 
 def _fabric(recipe: str | None, precision: str = "bf16-mixed"):
@@ -45,7 +52,7 @@ def _fabric(recipe: str | None, precision: str = "bf16-mixed"):
         return model
 
     strategy = strategies.ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
-    fabric = fabric_module.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
+    fabric = fabric_module.Fabric(accelerator=ACCELERATOR, devices=world, strategy=strategy, precision=precision)
     fabric.launch()
     return fabric
 
@@ -53,7 +60,9 @@ def _fabric(recipe: str | None, precision: str = "bf16-mixed"):
 def _train(recipe: str | None):
     fabric = _fabric(recipe)
     torch.manual_seed(0)
-    model = fabric.setup(transformers.LlamaForCausalLM(_config()))  # parallelize_fn runs here
+    # ModelParallelStrategy leaves placement to the user (its module_to_device does nothing): the
+    # model goes to the rank's device before parallelize_fn quantizes and shards it.
+    model = fabric.setup(transformers.LlamaForCausalLM(_config()).to(fabric.device))  # parallelize_fn runs here
     if recipe is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     else:  # the optimizer over the module Fabric wraps (FQNs without the wrapper's prefix)
@@ -115,7 +124,7 @@ def _train_empty_init(recipe: str):
         return model
 
     strategy = strategies.ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
-    fabric = fabric_module.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed")
+    fabric = fabric_module.Fabric(accelerator=ACCELERATOR, devices=world, strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
@@ -129,7 +138,7 @@ def _train_empty_init(recipe: str):
         for usage, plane in want.planes.items():
             assert torch.equal(p.full_tensor().planes[usage].data.view(torch.uint8), plane.data.view(torch.uint8)), name
     g = torch.Generator().manual_seed(3)
-    x, target = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+    x, target = torch.randn(8, 256, generator=g).to(fabric.device), torch.randn(8, 256, generator=g).to(fabric.device)
     losses = []
     for _ in range(4):
         loss = torch.nn.functional.mse_loss(model(x).float(), target)

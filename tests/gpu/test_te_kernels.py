@@ -85,25 +85,27 @@ def test_fast_path_special_values(name, case, dtype):
 @pytest.mark.parametrize("name", ["delayed_e4m3", "current_e4m3", "block1d_e4m3", "block2d_e4m3"])
 def test_requantize_from_hp_matches_reference(name, master_dtype):
     """Three optimizer-step requantizations of three weights (one batch) from changing fp32 / bf16
-    masters, fast vs reference: planes (and delayed scaling's history and scale) byte-identical,
-    and the fast path writes into the weights' existing storage."""
+    masters, fast vs reference: planes (and delayed scaling's history and scale, kept in each
+    weight's owner record ``param_state``) byte-identical, and the fast path writes into the
+    weights' existing storage."""
     recipe = RECIPES[name][0]
     g = torch.Generator(device="cuda").manual_seed(_seed("requant", name))
     ws = [torch.randn(640, 1024, device="cuda", generator=g) * (10.0 ** i) for i in range(3)]
     fast_qs, ref_qs = [d.quantize(w, recipe) for w in ws], [d.quantize(w, recipe) for w in ws]
     ptrs = [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q.planes.items()} for q in fast_qs]
-    states_fast, states_ref = {}, {}
     for step in range(3):
         hps = [(w * (1.5 ** step) + 0.01 * step).to(master_dtype) for w in ws]
         with te_kernels.kernel_paths(te=True, triton=False):
-            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(fast_qs, hps))], states_fast)
+            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(fast_qs, hps))])
         with te_kernels.reference_only():
-            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(ref_qs, hps))], states_ref)
+            requantize_from_hp_([(f"w{i}", q, hp) for i, (q, hp) in enumerate(zip(ref_qs, hps))])
         for i, (fast_q, ref_q) in enumerate(zip(fast_qs, ref_qs)):
             for usage in fast_q.planes:
                 assert_planes_equal(fast_q.planes[usage], ref_q.planes[usage], f"{name}/w{i}/step{step}/{usage}")
+            fast_state, ref_state = fast_q.param_state.weight_entries(), ref_q.param_state.weight_entries()
+            # delayed scaling keeps an amax history and a scale per plane; the other recipes none
+            assert bool(fast_state) == isinstance(recipe, d.DelayedScaling), (name, sorted(fast_state))
+            assert fast_state.keys() == ref_state.keys(), (name, sorted(fast_state), sorted(ref_state))
+            for key in fast_state:
+                assert torch.equal(_u8(fast_state[key]), _u8(ref_state[key])), f"{name}/w{i}/step{step}/{key}"
         assert [{u: (p.data.data_ptr(), p.scale_inv.data_ptr()) for u, p in q.planes.items()} for q in fast_qs] == ptrs
-        assert states_fast.keys() == states_ref.keys()
-        for key in states_fast:
-            for field in states_fast[key]:
-                assert torch.equal(_u8(states_fast[key][field]), _u8(states_ref[key][field])), f"{name}/{key}/{field}"
