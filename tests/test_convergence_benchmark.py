@@ -1,5 +1,5 @@
 """``python -m dtensor_fp8.benchmarks convergence`` end to end on the CPU at a tiny size (the real
-run, 110 M parameters for 1000 steps, is the GPU's: docs/benchmarks.md), and its text corpus:
+run, 102 M parameters for 1000 steps, is the GPU's: docs/benchmarks.md), and its text corpus:
 the standard library's own sources, split by file."""
 
 from __future__ import annotations
@@ -65,6 +65,21 @@ def test_the_report_says_what_it_trained_on_and_checks_the_target(report):
         assert f"| {name} |" in report["table_markdown"]
     pytest.importorskip("matplotlib")
     assert (report["out"] / "convergence.png").stat().st_size > 10_000
+
+
+def test_from_json_reprints_and_replots_a_run(report, tmp_path, capsys):
+    """A run cut short (the GPU script's time limit) keeps its finished rows in the JSON; --from-json
+    prints their table and target and plots them without training."""
+    partial = json.loads((report["out"] / "convergence.json").read_text())
+    partial["results"] = partial["results"][:3]  # bf16, bf16_seed1, current
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    capsys.readouterr()
+    assert convergence.main(["--from-json", str(tmp_path / "partial.json"), "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert "| current |" in out and "| delayed |" not in out
+    assert "current                  PASS" in out and "delayed" not in out.split("target:")[1]
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "plot" / "convergence.png").is_file()
 
 
 def test_unknown_rows_are_refused_with_the_choices(capsys):

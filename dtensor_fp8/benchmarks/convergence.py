@@ -9,9 +9,9 @@ Text: the Python standard library's own ``.py`` files, read from this interprete
 (benchmarks/text_corpus.py: which files, the split into train and held-out by file, what the
 JSON records of them). Bytes are the tokens (vocabulary 256).
 
-Model: a byte embedding plus learned positions, ``--shape`` (default ``byte-lm``, 109 M GEMM
-weights) decoder blocks of ``linear_step``'s ``Block`` (RMSNorm, grouped-query causal SDPA,
-SwiGLU, no biases), a final RMSNorm and an output head (about 110 M parameters in all). Built in
+Model: a byte embedding plus learned positions, ``--shape`` (default ``byte-lm``: 4 layers of
+100.7 M GEMM weights in all) decoder blocks of ``linear_step``'s ``Block`` (RMSNorm, grouped-query causal SDPA,
+SwiGLU, no biases), a final RMSNorm and an output head (102.3 M parameters in all). Built in
 fp32 on the CPU from the seed (normal init, std 0.02; the projections into the residual stream
 0.02 / sqrt(2 layers)), moved to the device; ``fully_shard`` on every block, then the root, over
 a one-rank mesh (NCCL on CUDA, gloo on the CPU). Every row runs under ``torch.autocast`` in bf16
@@ -371,6 +371,9 @@ def _parse(argv):
     p.add_argument("--final-window", type=int, default=20, help="steps the final train loss averages (default 20)")
     p.add_argument("--stdlib", default=None, help="the standard library directory to read (default: this Python's)")
     p.add_argument("--out", default="bench_out", help="directory for convergence.json / .png (default ./bench_out)")
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="train nothing: print the table and target of a convergence.json (a run cut short keeps "
+                        "the rows it finished) and plot it to --out/convergence.png")
     args = p.parse_args(argv)
     args.model_shape = shape_from_args(p, args)
     try:
@@ -394,6 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     args = _parse(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            report = json.load(f)
+        report["target"] = target_check(report["results"])
+        report["table_markdown"] = format_table(report["results"], report["target"])
+        return _print_report(report, args.out)
     shape, cuda = args.model_shape, args.device == "cuda"
     corpus = load_stdlib_corpus(args.stdlib)
     if cuda:
@@ -453,15 +462,21 @@ def main(argv: list[str] | None = None) -> int:
                 write()
         finally:
             dist.destroy_process_group()
-    target = write()
+    write()
     with open(path) as f:
         report = json.load(f)
+    print(f"\nwrote {path}")
+    return _print_report(report, args.out)
+
+
+def _print_report(report: dict, out: str) -> int:
     print()
     print(report["table_markdown"])
     print()
-    print(format_target(target))
-    png = os.path.join(args.out, "convergence.png")
-    print(f"\nwrote {path}" + (f" and {png}" if plot(report, png) else " (no PNG: install matplotlib)"))
+    print(format_target(report["target"]))
+    os.makedirs(out, exist_ok=True)
+    png = os.path.join(out, "convergence.png")
+    print(f"\nwrote {png}" if plot(report, png) else "\nno PNG: install matplotlib")
     return 0
 
 
