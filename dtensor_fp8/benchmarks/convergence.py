@@ -318,7 +318,7 @@ def format_target(target: dict) -> str:
         detail = t.get("why") or f"{t['delta']:+.4f} ({100 * t['relative']:+.2f} %)"
         lines.append(f"  {name:<24} {verdict}  {detail}")
     if not target["rows"]:
-        lines.append("  (no dtensor_fp8 row in --variants)")
+        lines.append("  (no dtensor_fp8 row among the results)")
     return "\n".join(lines)
 
 
@@ -339,7 +339,7 @@ def plot(report: dict, path: str) -> bool:
         smooth = torch.tensor(r["train_losses"]).unfold(0, k, 1).mean(1)
         ax_train.plot(range(k, k + len(smooth)), smooth.tolist(), label=r["variant"], lw=1)
         ax_eval.plot(r["eval_steps"], r["eval_losses"], marker="o", ms=3, label=r["variant"])
-    ax_train.set_title(f"train loss (mean of {k} steps), nats/byte")
+    ax_train.set_title("train loss, nats/byte" + (f" (moving mean over {k} steps)" if k > 1 else ""))
     ax_eval.set_title(f"held-out loss, nats/byte ({report['meta']['data']['held_out_files']} stdlib files)")
     for ax in (ax_train, ax_eval):
         ax.set_xlabel("step")

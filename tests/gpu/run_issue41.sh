@@ -25,7 +25,7 @@ T0=$SECONDS
 {
   echo "== machine"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  echo "cores $(nproc); commit $(git log --oneline -1 2>/dev/null || echo unknown)"
+  echo "cores $(env -u OMP_NUM_THREADS nproc); commit $(git log --oneline -1 2>/dev/null || echo unknown)"
 } > "$OUT/summary.txt"
 
 if ls .whl/torchao-*.whl >/dev/null 2>&1; then
@@ -77,12 +77,15 @@ fi
     log="$OUT/$name.log"
     result=$(grep -aE '^=*.*([0-9]+ (passed|failed|error|errors|skipped)).* in [0-9.]+s' "$log" | tail -1 | tr -d '=')
     echo "== $name: ${result:-no pytest summary} | $(tail -1 "$log")"
+    [ -z "$result" ] && grep -a -m 3 -E "[Ee]rror" "$log" | cut -c1-240
     grep -aE '^(FAILED|ERROR) ' "$log" | cut -c1-240 | head -25
     grep -aq 'KeyboardInterrupt: SIGTERM' "$log" && echo "   stopped by the time limit (${SUITE_S} s)"
   done
-  echo "== convergence: $(tail -1 "$OUT/convergence.log")"
+  status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
+  echo "== convergence: $status"
+  case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
   grep -a -E '^# |^  [a-z0-9_]+ +(train|not run|error)' "$OUT/convergence.log" | cut -c1-240
-  sed -n '/^| row /,/^target:/p' "$OUT/convergence.log"
+  sed -n '/^| row /,/^Losses in/p' "$OUT/convergence.log"
   sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
   echo "== total $((SECONDS - T0)) s"
 } >> "$OUT/summary.txt"
