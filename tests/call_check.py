@@ -25,17 +25,19 @@ callable binds its positional and keyword arguments to ``inspect.signature`` of 
 the library defines it now; a call with ``*args`` / ``**kwargs`` is left unresolved.
 
 Shell scripts: each ``python -m dtensor_fp8.benchmarks <subcommand> --option ...`` names a
-subcommand of ``benchmarks/__main__.py`` and options its module declares with ``add_argument``,
-and each ``tests/...py`` path a script hands pytest exists.
+subcommand of ``benchmarks/__main__.py`` and options its ``--help`` lists, and each
+``tests/...py`` path a script hands pytest exists.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import functools
 import importlib
-import importlib.util
 import inspect
+import io
 import re
 import shlex
 import types
@@ -382,20 +384,19 @@ def check_file(path: Path) -> Report:
 _SHELL_STOP = re.compile(r"^(\||\|\||&&|;|&|>|>>|2>|2>&1|<|\)|\}|\d*>.*)$")
 
 
-def _declared_options(module_name: str) -> set[str]:
-    """Option strings of every ``add_argument`` call in a module (or in every file of a package)."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or spec.origin is None:
-        return set()
-    origin = Path(spec.origin)
-    files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
-    options = set()
-    for file in files:
-        for node in ast.walk(ast.parse(file.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
-                options |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
-                            and a.value.startswith("-")}
-    return options
+@functools.cache
+def _accepted_options(subcommand: str) -> frozenset[str]:
+    """The options a benchmark subcommand's parser accepts, read from its ``--help`` (argparse prints
+    every option, those added by helpers such as ``shapes.add_shape_arguments`` included)."""
+    from dtensor_fp8.benchmarks.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main([subcommand, "--help"])
+        except SystemExit:
+            pass
+    return frozenset(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", out.getvalue()))
 
 
 def _commands(script: str):
@@ -434,14 +435,13 @@ def check_shell(script: str, filename: str = "<script>") -> Report:
                 if sub not in SUBCOMMANDS:
                     report.problems.append(f"{where}: no such subcommand (have {sorted(SUBCOMMANDS)})")
                     continue
-                declared = _declared_options(SUBCOMMANDS[sub][0])
+                declared = _accepted_options(sub)
                 for opt in tokens[i + 3:]:
                     if _SHELL_STOP.match(opt):
                         break
                     name = opt.split("=", 1)[0]
                     if name.startswith("--") and name not in declared:
-                        report.problems.append(f"{where}: no option {name!r} in {SUBCOMMANDS[sub][0]} "
-                                               f"(declared: {sorted(declared)})")
+                        report.problems.append(f"{where}: no option {name!r} (its --help lists {sorted(declared)})")
                 report.checked.append(f"{filename} benchmarks {sub}")
             elif re.fullmatch(r"tests/[\w/.-]+\.py(::.*)?", tok):
                 path = tok.split("::")[0]

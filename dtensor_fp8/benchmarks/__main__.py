@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "linear_step": ("dtensor_fp8.benchmarks.linear_step", "plain-torch nn.Linear blocks under FSDP2: bf16 vs FP8 params with FP8 GEMMs, ms / peak GiB"),
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),
     "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
+    "convergence": ("dtensor_fp8.benchmarks.convergence", "byte-level LM on the stdlib's sources: bf16 (2 seeds) vs FP8 recipes vs torchao loss curves"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
     "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }
@@ -25,7 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: python -m dtensor_fp8.benchmarks <subcommand> [options]", "", "subcommands:"]
-    lines += [f"  {name:<10} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<11} {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
     lines += ["", "python -m dtensor_fp8.benchmarks <subcommand> --help for its options"]
     return "\n".join(lines)
 

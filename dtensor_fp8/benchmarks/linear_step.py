@@ -156,7 +156,9 @@ def predict(cfg, variant: str) -> dict:
 
 
 # ---- variants -----------------------------------------------------------------------------------
-def _shard(model, mesh, compiled: bool):
+def shard_layers(model, mesh, compiled: bool):
+    """``fully_shard`` each of ``model.layers``, then the root, over ``mesh``; with ``compiled`` each
+    layer is ``torch.compile``d first."""
     from torch.distributed.fsdp import fully_shard
 
     if compiled:  # torchtitan's order: compile each block, then shard the compiled module
@@ -177,19 +179,19 @@ def _setup(variant: str, cfg, mesh):
     model = Model(cfg.model_shape, cfg.device)
     notes = {}
     if base == "bf16":
-        model = _shard(model, mesh, compiled)
+        model = shard_layers(model, mesh, compiled)
         return model, torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True), notes
     if base == "torchao":
         from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model)
         notes["torchao"] = __import__("torchao").__version__
-        model = _shard(model, mesh, compiled)
+        model = shard_layers(model, mesh, compiled)
         return model, torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=True), notes
     recipe_name, master = OURS[base]
     recipe = d.RECIPES[recipe_name]
     d.quantize_module_(model, recipe, keep_hp_init=False)
-    model = _shard(model, mesh, compiled)
+    model = shard_layers(model, mesh, compiled)
     opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=cfg.lr, fused=True, nonfinite=cfg.nonfinite,
                                   master_dtype=torch.bfloat16 if master == "bf16" else torch.float32)
     return model, opt, notes

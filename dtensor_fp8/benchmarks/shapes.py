@@ -14,6 +14,10 @@ Presets (``--shape NAME``; ``--layers`` ... ``--no-bias`` then override single f
   layers leave room on one H200 for the largest variant (FP32 masters) — the peak memory column
   says how much.
 * ``toy``: the same structure (GQA, RMSNorm, SwiGLU) small enough for the CPU (the CPU suite runs it).
+* ``byte-lm``: the decoder stack of ``convergence``'s byte-level language model (100.7 M GEMM
+  weights: 4 layers, hidden 1536, SwiGLU ffn 4096, 12 heads of 128 / 4 KV heads, RMSNorm) at seq
+  512 x batch 16: 8192 tokens a step, so 1000 steps of every row fit in minutes on one H100.
+  Wide rather than deep: a step's host work (FSDP2's hooks, the FP8 casts) grows with the layers.
 
 MFU follows torchtitan's convention (``get_num_flop_per_token``): ``6 * N + 12 * L * H * D * S``
 FLOPs per token, N the GEMM weights' parameter count, L layers, H query heads of D dims, S the
@@ -115,6 +119,8 @@ PRESETS = {
                             mlp="swiglu", norm="rmsnorm", bias=False),
     "toy": ModelShape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, seq=64, batch=2,
                       mlp="swiglu", norm="rmsnorm", bias=False),
+    "byte-lm": ModelShape(layers=4, hidden=1536, ffn=4096, heads=12, kv_heads=4, seq=512, batch=16,
+                          mlp="swiglu", norm="rmsnorm", bias=False),
 }
 
 #: Dense bf16 peak FLOP/s by device-name fragment (vendor datasheets, SXM parts), for MFU.
@@ -123,17 +129,18 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e
 _INT_FIELDS = ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch")
 
 
-def add_shape_arguments(parser) -> None:
-    """``--shape`` and the per-field overrides ``--layers --hidden --ffn --heads --kv-heads --seq
-    --batch --mlp --norm --bias/--no-bias``; :func:`shape_from_args` reads them.
+def add_shape_arguments(parser, default: str = "te-default") -> None:
+    """``--shape`` (preset ``default`` unless given) and the per-field overrides ``--layers
+    --hidden --ffn --heads --kv-heads --seq --batch --mlp --norm --bias/--no-bias``;
+    :func:`shape_from_args` reads them.
 
     Example:
         >>> p = argparse.ArgumentParser(); add_shape_arguments(p)
         >>> shape_from_args(p, p.parse_args(["--shape", "llama3-8b", "--layers", "2"])).layers
         2
     """
-    parser.add_argument("--shape", choices=sorted(PRESETS), default="te-default",
-                        help="model shape preset (default te-default); the options below override its fields")
+    parser.add_argument("--shape", choices=sorted(PRESETS), default=default,
+                        help=f"model shape preset (default {default}); the options below override its fields")
     for name in _INT_FIELDS:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
     parser.add_argument("--mlp", choices=MLPS, default=None)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue 41 on one GPU in one call of under 9 minutes: the GPU suite, the suite over NCCL at one rank
+# per GPU (the README's command), and the convergence benchmark, all three at once (the GPU has room
+# for them; the test sessions run niced, so the host-bound benchmark keeps its core).
+#
+#   export PYTHONPATH=$PWD/.gpu/site:$PWD NVTE_FRAMEWORK=pytorch   # TE on the path
+#   bash tests/gpu/run_issue41.sh            # from the repository root; results under $OUT
+#
+# A torchao wheel in .whl/ (torchao-*.whl) is installed into /tmp for the benchmark's torchao row.
+# Writes 8 files to $OUT (default ./issue41_out): gpu_suite.{log,xml}, nccl_suite.{log,xml} (pytest
+# output and junit XML), convergence.{log,json,png}, summary.txt (the machine, each part's exit
+# status and time, failures, the convergence table and target; also printed last). A part past its
+# limit gets SIGTERM: pytest prints its summary of what ran (tests/rank_logs.py), the benchmark
+# keeps the rows it finished in its JSON, from which the table and plot are then made.
+set -u
+OUT=${OUT:-$PWD/issue41_out}
+mkdir -p "$OUT"
+SUITE_S=${SUITE_S:-480}      # each test session
+BENCH_S=${BENCH_S:-500}      # the convergence benchmark
+# BENCH_ARGS: more convergence options, after the defaults (the last given wins), e.g. to check the
+# plumbing on a CPU: SUITE_S=30 BENCH_S=120 BENCH_ARGS="--device cpu --shape toy --steps 8" bash ...
+read -r -a BENCH_EXTRA <<< "${BENCH_ARGS:-}"
+export PYTHONUNBUFFERED=1 COLUMNS=200 NCCL_NVLS_ENABLE=0 NVTE_FRAMEWORK=${NVTE_FRAMEWORK:-pytorch}
+T0=$SECONDS
+{
+  echo "== machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  echo "cores $(env -u OMP_NUM_THREADS nproc); commit $(git log --oneline -1 2>/dev/null || echo unknown)"
+} > "$OUT/summary.txt"
+
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+       .whl/torchao-*.whl > /tmp/install_torchao.log 2>&1; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "torchao: installed from $(ls .whl/torchao-*.whl)" >> "$OUT/summary.txt"
+  else
+    { echo "torchao: install FAILED"; tail -n 5 /tmp/install_torchao.log; } >> "$OUT/summary.txt"
+  fi
+fi
+python3 - >> "$OUT/summary.txt" 2>&1 <<'PY'
+import importlib, importlib.util, sys, torch
+def version(name):
+    try:
+        return importlib.import_module(name).__version__
+    except Exception as e:  # noqa: BLE001
+        return f"absent ({type(e).__name__})"
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "",
+      "| transformer_engine", "found" if importlib.util.find_spec("transformer_engine") else "absent",
+      "| torchao", version("torchao"), "| accelerate", version("accelerate"),
+      "| xdist", "found" if importlib.util.find_spec("xdist") else "absent")
+PY
+
+part() {  # part NAME LIMIT CMD...: runs CMD with its output in $OUT/NAME.log, its status appended to it
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "exit $? after $((SECONDS - t0)) s" >> "$OUT/$name.log"
+}
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=300)
+TESTS_ENV=(env OMP_NUM_THREADS=2 DTENSOR_FP8_TEST_TASK_TIMEOUT=200)
+
+part gpu_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" "${PYTEST[@]}" -n 6 --dist loadfile \
+  --junitxml="$OUT/gpu_suite.xml" tests/gpu &
+part nccl_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSOR_FP8_TEST_BACKEND=nccl DTENSOR_FP8_TEST_WORLD_SIZES=1 \
+  "${PYTEST[@]}" -n 8 --junitxml="$OUT/nccl_suite.xml" tests --ignore=tests/gpu &
+part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence --steps 1000 --seq 512 --batch 16 \
+  --variants bf16,bf16_seed1,current,delayed,blockwise2d,torchao_compiled --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} &
+wait
+
+if ! grep -q "^target:" "$OUT/convergence.log" && [ -f "$OUT/convergence.json" ]; then  # cut short: its finished rows
+  python3 -m dtensor_fp8.benchmarks convergence --from-json "$OUT/convergence.json" --out "$OUT" >> "$OUT/convergence.log" 2>&1
+fi
+
+{
+  for name in gpu_suite nccl_suite; do
+    log="$OUT/$name.log"
+    result=$(grep -aE '^=*.*([0-9]+ (passed|failed|error|errors|skipped)).* in [0-9.]+s' "$log" | tail -1 | tr -d '=')
+    echo "== $name: ${result:-no pytest summary} | $(tail -1 "$log")"
+    [ -z "$result" ] && grep -a -m 3 -E "[Ee]rror" "$log" | cut -c1-240
+    grep -aE '^(FAILED|ERROR) ' "$log" | cut -c1-240 | head -25
+    grep -aq 'KeyboardInterrupt: SIGTERM' "$log" && echo "   stopped by the time limit (${SUITE_S} s)"
+  done
+  status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
+  echo "== convergence: $status"
+  case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
+  grep -a -E '^# |^  [a-z0-9_]+ +(train|not run|error)' "$OUT/convergence.log" | cut -c1-240
+  sed -n '/^| row /,/^Losses in/p' "$OUT/convergence.log"
+  sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
+  echo "== total $((SECONDS - T0)) s"
+} >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"
