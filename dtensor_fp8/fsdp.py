@@ -1,16 +1,18 @@
-"""FSDP2 all-gather extension: FP8 bytes on the wire, one direction per gather.
+"""FSDP2 all-gather extension: FP8 bytes on the wire, one direction per gather where one is enough.
 
 [Note: what each FSDP2 all-gather moves]
 ``fully_shard`` calls ``fsdp_pre_all_gather`` on each rank's local shard and
 ``fsdp_post_all_gather`` on the gathered buffers. We choose the *usages* to gather
-(:func:`gather_usages`):
+(:func:`gather_usages`), from the gathering ``FSDPParamGroup``'s state at the gather:
 
-* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM);
+* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM). FSDP2 frees
+  the weight again when this forward ends, so only this forward reads it;
 * backward gather: ``columnwise`` (input-gradient GEMM);
 * a group that does not reshard after forward (the root by default, ``reshard_after_forward=False``)
   gathers both in forward, because no backward gather will happen;
-* with activation checkpointing under the group, both, because the forward is recomputed inside
-  backward from the backward gather;
+* with ``checkpoint_wrapper`` or composable ``checkpoint`` under the group, or a module marked with
+  :func:`gather_both_usages`, both, because the forward is recomputed inside backward from the
+  backward gather (both in forward too: see the count rule below);
 * with a compiled module under the group (``block.compile()`` or ``torch.compile(block)`` before
   ``fully_shard``, torchtitan's per-block compile), both, in forward *and* backward: a compiled
   backward is traced together with its forward and reads the planes the forward's graph saved
@@ -18,9 +20,43 @@
   both gathers must fill those buffers with the same planes. For per-tensor and 128x128 recipes
   this costs nothing (one stored plane either way); MXFP8 and 1x128 move both planes twice.
 
-A module whose forward checkpoints or compiles in a way not detected here (``torch.utils.checkpoint``
-called inside ``forward``, a whole-model ``torch.compile`` over FSDP modules) is marked with
-:func:`gather_both_usages`.
+The plain schedule (``reshard_after_forward=True``, one forward and one backward per step) thus
+moves each weight's bytes once per direction: the figures of ``tests/test_fsdp.py``.
+
+*What a gathered weight serves.* Per-tensor and 128x128 recipes store one plane that serves both
+directions (the columnwise plane is its transpose), so every gathered weight of those recipes
+declares both usages, whichever direction was asked for: no schedule can find it lacking, at no
+wire cost. MXFP8 and 1x128 store two planes: a one-direction gather brings one.
+
+*Any schedule.* FSDP2 may run a forward on a weight still unsharded from a backward (gradient
+accumulation with ``set_reshard_after_backward(False)``, which pipeline schedules set for every
+micro-batch but the last: 1F1B runs micro-batch k+1's forward after k's backward), or a forward
+inside a backward (``torch.utils.checkpoint`` around part of a block's ``forward`` recomputes it
+from the backward gather; no structure shows it beforehand). Such a read of a plane the gather did
+not bring *completes* the unsharded weight: the parameter's owner record
+(``param_state.gather.gathered``, a :class:`GatheredWeight` left by the post-all-gather hook)
+all-gathers the missing plane from the shard over the same process group FSDP2 gathers the weight
+on (the shard mesh FSDP2 hands the hook; every rank of that group runs the same schedule, so the
+collectives match), adds it to the unsharded weight (and to any alias of it that reads it later,
+without another collective), and hands its buffers to FSDP2 as the parameter's "inner tensors to
+free" (the list the first post-all-gather returns, kept in ``param_state.gather.inner_tensors``),
+so FSDP2 frees them when it reshards the weight, with its own buffers. The next gather empties
+the list before FSDP2 allocates anything. Why not gather both planes in such schedules: FSDP2
+sizes each parameter's all-gather outputs at its first gather, and every later gather must hand
+over the same count, dtypes and numels of inputs (else it silently resizes and corrupts them), so
+"both" would have to be decided at the first gather, for every gather, before the schedule is
+known (pipeline schedules flip ``reshard_after_backward`` per micro-batch): two planes on every
+gather. Completing costs one plane where a forward meets a backward-only gather, nothing
+otherwise. Per micro-batch of gradient accumulation with ``set_reshard_after_backward(False)``:
+forward rowwise (first micro-batch) or completed rowwise (later ones), backward columnwise; with
+``reshard_after_forward=False`` forward gathers both once and nothing is completed.
+
+*``reshard_after_forward=<int>``.* FSDP2 reshards all-gather-extension parameters to a smaller
+post-forward mesh only for one plain all-gather output, and cannot all-gather from that state at
+all (torch 2.11 to 2.15), so the first gather of such a group switches it to
+``reshard_after_forward=True`` through FSDP2's own ``set_reshard_after_forward``, with a warning:
+the same results, backward gathers over the whole shard group (in FP8). An int equal to the shard
+group size (FSDP2: ``True``) or to 1 (FSDP2: ``False``) needs nothing.
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
 (only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
@@ -32,15 +68,18 @@ output ... was resized") and corrupts the data. Forward (rowwise) and backward
 padded to a per-recipe slot size that fits either direction's local scale grid.
 
 On a one-rank mesh nothing is sent at all: the "gather" would be a copy of the shard, so the
-unsharded parameter views the shard's own planes instead (a QuantizedTensor over them, or for the
-weights of TE modules, where every TE buffer of the direction can be a view of the shard, a TE
-tensor, ``te.py``). An optimizer step rewrites the shard's bytes and scales in place, so an
-unsharded weight kept across a step (``set_reshard_after_backward(False)``) reads the new values,
-never old bytes with a new scale; FSDP2's own copy would keep the old ones until it gathers again.
+unsharded parameter views the shard's own planes instead, serving every usage the shard serves (a
+QuantizedTensor over them, or for the weights of TE modules, where every TE buffer of the
+direction can be a view of the shard, a TE tensor, ``te.py``). An optimizer step rewrites the
+shard's bytes and scales in place, so an unsharded weight kept across a step
+(``set_reshard_after_backward(False)``) reads the new values, never old bytes with a new scale;
+FSDP2's own copy would keep the old ones until it gathers again.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
 itself (the "transpose cache"), and dropped after use, so it never outlives the unsharded parameter.
+The unsharded weights of TE modules (``te.py``'s view) serve the gathered direction only and are
+not completed: TE's modules read TE's own tensors.
 """
 
 from __future__ import annotations
@@ -48,13 +87,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 import weakref
 from typing import Protocol
 
 import torch
 
 from . import _compat
-from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError
 from .ops.slicing import check_shardable, slice_quantized
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
@@ -183,11 +223,28 @@ def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
     return q.recipe.block_shape(usage).extent(0) is not None
 
 
+def served_usages(recipe, stored: tuple[str, ...]) -> tuple[str, ...]:
+    """Every usage that the stored planes ``stored`` serve: both for per-tensor and 128x128 recipes
+    (one stored plane), else the planes themselves. A gathered weight declares these (see the note
+    at the top).
+
+    Args:
+        recipe: the weight's recipe.
+        stored: the stored planes a gather brought.
+
+    Example:
+        >>> served_usages(dtensor_fp8.CurrentScaling(), ("rowwise",))
+        ('rowwise', 'columnwise')
+    """
+    return tuple(u for u in USAGES if recipe.stored_usage(u) in stored)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _GatherMetadata:
     """What ``fsdp_post_all_gather`` needs to rebuild the planes from FSDP's output buffers."""
 
-    usages: tuple[str, ...]  # usages the gathered tensor serves
+    usages: tuple[str, ...]  # usages the gathered tensor serves (served_usages of ``stored``)
+    gathered: tuple[str, ...]  # usages this gather was asked for (gather_usages)
     stored: tuple[str, ...]  # planes sent, in order (data, then scale where blocks lie along dim 0)
     shared_scales: dict  # per-tensor scales: identical on every rank, not sent
     padded_rows: int  # rows of each rank's (padded) shard
@@ -198,6 +255,7 @@ class _GatherMetadata:
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
     packed_layout: list | None = None  # one-rank packing of all parts into one input (see below)
     shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
+    process_group: object = None  # the group FSDP2 gathers over (several ranks): a completion gathers there
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -213,6 +271,7 @@ class _GatherPlan:
     view: UnshardedView | None  # the owning module's registered view (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
     shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
+    process_group: object  # the shard mesh's process group (several ranks), else None
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -253,8 +312,10 @@ def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: in
 # shard before FSDP2 attaches the param group to its state (so the registry of
 # ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
 # parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
-    """The plan for one kind of gather, after checking that every gather of ``q`` is possible."""
+def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...],
+                 process_group) -> _GatherPlan:
+    """The plan for one kind of gather over ``world`` ranks of ``process_group`` (the shard mesh's,
+    ``None`` for one rank), after checking that every gather of ``q`` is possible."""
     every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
     _check_gatherable(q, outer_size, world, every_usage)
     stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
@@ -268,7 +329,7 @@ def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, us
     shard_view = world == 1 and (view is None or view.views_shard(q))
     return _GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
                        sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows), view=view,
-                       fp8_dtypes=fp8_dtypes, shard_view=shard_view)
+                       fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group)
 
 
 def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
@@ -276,7 +337,10 @@ def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size
     nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
     (:func:`_view_of_shard`, or the registered view's ``from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
-    metadata = _GatherMetadata(usages=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
+    # The shard's planes serve whatever the shard serves (the view is over all of them), except
+    # through a registered view (TE's buffers are built for the gathered direction).
+    served = usages if plan.view is not None else q.usages
+    metadata = _GatherMetadata(usages=served, gathered=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=(),
                                shard_view=True)
     return (empty,), metadata
@@ -299,20 +363,41 @@ def _param_group_of(q: QuantizedTensor, module):
                 "reads FSDP2's state as torch 2.11, 2.13, 2.14 and 2.15 lay it out: use one of those versions, "
                 "or update _compat.fsdp_managed_params for this one.")
         record.group, record.gathers_both = weakref.ref(group), _gathers_both(group)
+        if _compat.fsdp_group_reshards_to_smaller_mesh(group):
+            _reshard_fully_after_forward(group)
     return group
+
+
+def _reshard_fully_after_forward(group) -> None:
+    """Switch a group created with ``reshard_after_forward=<int>`` (a post-forward mesh smaller than
+    its shard group) to ``True``, which FSDP2 can do for all-gather extensions (see the note at the
+    top), through FSDP2's own setter, before the forward that is gathering ends."""
+    modules = _compat.fsdp_group_modules(group)
+    for m in modules:
+        m.set_reshard_after_forward(True, recurse=False)
+    names = ", ".join(type(m).__name__ for m in modules)
+    warnings.warn(
+        f"dtensor_fp8: fully_shard({names}, reshard_after_forward=<int>) keeps a smaller shard after forward, "
+        f"which FSDP2 (torch {torch.__version__}) cannot do for FP8 parameters (all-gather extensions); "
+        "this group reshards fully after forward instead (reshard_after_forward=True): the same results, "
+        "the backward all-gather runs over the whole shard group. Pass True or False to fully_shard to "
+        "silence this.", stacklevel=1)
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     self.check_bytes_made()  # a meta-built weight is quantized by finish_init_ before its first gather
+    record = self.param_state.gather
+    record.start_gather()  # FSDP2 gathers a sharded weight: the last gather's buffers are freed
     group = _param_group_of(self, module)
-    usages = gather_usages(group, gathers_both=self.param_state.gather.gathers_both)
+    usages = gather_usages(group, gathers_both=record.gathers_both)
     # The same few gathers repeat every step; their plans are kept in the owner record, keyed by
     # the mesh object FSDP holds for the parameter's lifetime.
-    plans = self.param_state.gather.plans
+    plans = record.plans
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
-        entry = plans[key] = _PlanEntry(_gather_plan(self, key[1], mesh.size(), usages, module))
+        world = mesh.size()
+        entry = plans[key] = _PlanEntry(_gather_plan(self, key[1], world, usages, mesh.get_group() if world > 1 else None))
         if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
             entry.last = _shard_view_gather(self, entry.plan, usages, key[1])
     plan = entry.plan
@@ -320,7 +405,30 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return entry.last
-    local = self
+    inputs, shared_scales, local_planes = _gather_inputs(self, plan)
+    metadata = _GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
+                               shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
+                               view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
+                               fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group)
+    if plan.world == 1 and len(inputs) > 1:
+        # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
+        # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
+        layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
+        packed = torch.cat([_pad_bytes(t) for t in inputs])
+        return (packed,), dataclasses.replace(metadata, packed_layout=layout)
+    result = tuple(inputs), metadata
+    if not plan.pad_rows and not plan.sent_scales and all(
+            t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(plan.stored, inputs, strict=True)):
+        # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
+        entry.last, entry.last_planes = result, self.plane_tensors()
+    return result
+
+
+def _gather_inputs(q: QuantizedTensor, plan: _GatherPlan) -> tuple[list, dict, dict]:
+    """What ``plan`` sends of the shard ``q``: ``(inputs, shared_scales, local_planes)``: each stored
+    plane's FP8 data as uint8, then its block scales padded to the slot (where sent); the per-tensor
+    scales that are not sent, by plane; the (padded) shard's planes the inputs were made from."""
+    local = q
     if plan.pad_rows:  # short last shard: pad to the padded shard size
         local = aten.constant_pad_nd.default(local, [0, 0, 0, plan.pad_rows])
     inputs, shared_scales = [], {}
@@ -336,21 +444,32 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         else:
             # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
             shared_scales[usage] = plane.scale_inv
-    metadata = _GatherMetadata(usages=usages, stored=plan.stored, shared_scales=shared_scales,
-                               padded_rows=plan.padded_rows, world=plan.world, view=plan.view,
-                               orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=plan.fp8_dtypes)
-    if plan.world == 1 and len(inputs) > 1:
-        # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
-        # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
-        layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
-        packed = torch.cat([_pad_bytes(t) for t in inputs])
-        return (packed,), dataclasses.replace(metadata, packed_layout=layout)
-    result = tuple(inputs), metadata
-    if not plan.pad_rows and not plan.sent_scales and all(
-            t.data_ptr() == local_planes[u].data.data_ptr() for u, t in zip(plan.stored, inputs, strict=True)):
-        # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
-        entry.last, entry.last_planes = result, self.plane_tensors()
-    return result
+    return inputs, shared_scales, local_planes
+
+
+def _planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict, padded_rows: int, world: int,
+                         cols: int, scale_copy) -> dict[str, Plane]:
+    """The full (padded) planes over all-gather ``outputs`` of the inputs :func:`_gather_inputs`
+    made for the planes ``stored``: views of the output buffers (block scales: the ranks' grids,
+    out of their slots); per-tensor scales from ``scale_copy(usage, shard_scale)``."""
+    full_rows = padded_rows * world
+    planes, i = {}, 0
+    for usage, fp8_dtype in zip(stored, fp8_dtypes, strict=True):
+        data = outputs[i].view(full_rows, cols).view(fp8_dtype)
+        i += 1
+        if usage not in shared_scales:
+            gr, gc = recipe.block_shape(usage).grid((padded_rows, cols))
+            scale_dtype = recipe.scale_inv_dtype
+            raw = outputs[i].view(world, -1)
+            i += 1
+            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
+            # dim 0 is the full grid because every shard is a whole number of blocks.
+            scale = raw[:, : gr * gc].reshape(world * gr, gc)
+            scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
+        else:
+            scale = scale_copy(usage, shared_scales[usage])
+        planes[usage] = Plane(data, scale)
+    return planes
 
 
 def _shared_scale(record, out, usage: str, live: torch.Tensor) -> torch.Tensor:
@@ -401,26 +520,27 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 _BACKWARD_ONLY = (COLUMNWISE,)
 
 
-def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out, backward_only: bool):
     """The unsharded parameter of a one-rank gather: a QuantizedTensor over ``shard``'s own planes
-    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place)."""
+    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place), with
+    the transpose cache after a ``backward_only`` gather."""
     if out is None:
         view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages,
                                            param_state=shard.param_state)
     else:
         # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
         view = _compat.dtensor_local(out).repoint_(shard.planes, usages)
-    if usages == _BACKWARD_ONLY:
+    if backward_only:
         view.create_transpose_cache()
     return (view, ()) if out is None else None
 
 
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetadata, param_dtype, *, out=None):
-    usages = metadata.usages
+    usages, backward_only = metadata.usages, metadata.gathered == _BACKWARD_ONLY
     if metadata.shard_view:  # one rank: the unsharded parameter views this shard
         if metadata.view is not None:
-            return metadata.view.from_shard(self, usages, param_dtype, out)
-        return _view_of_shard(self, usages, param_dtype, out)
+            return metadata.view.from_shard(self, metadata.gathered, param_dtype, out)
+        return _view_of_shard(self, usages, param_dtype, out, backward_only)
     if metadata.packed_layout is not None:
         outputs = _unpack(outputs[0], metadata.packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
@@ -428,26 +548,16 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
     record = self.param_state.gather
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
-    planes, i = {}, 0
-    for usage, fp8_dtype in zip(metadata.stored, metadata.fp8_dtypes, strict=True):
-        data = outputs[i].view(full_rows, k).view(fp8_dtype)
-        i += 1
-        if usage not in shared_scales:
-            gr, gc = self.recipe.block_shape(usage).grid((padded_rows, k))
-            scale_dtype = self.recipe.scale_inv_dtype
-            raw = outputs[i].view(world, -1)
-            i += 1
-            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
-            # dim 0 is the full grid because every shard is a whole number of blocks.
-            scale = raw[:, : gr * gc].reshape(world * gr, gc)
-            scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
-        else:
-            scale = _shared_scale(record, out_local, usage, shared_scales[usage])
-        planes[usage] = Plane(data, scale)
+    planes = _planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
+                                  padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
-        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, metadata.orig_rows)
+        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
+                               metadata.orig_rows)
         _keep_shared_scales(record, planes, shared_scales)
         return result
+    if len(usages) < len(USAGES) and metadata.process_group is not None:
+        # One plane of two: a read of the other completes the weight (see the note at the top).
+        record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
                                            param_state=self.param_state)
     if out is not None:
@@ -456,15 +566,88 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
         rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out_local.repoint_(trimmed.planes, trimmed.usages)
-        if usages == _BACKWARD_ONLY:
+        if backward_only:
             out_local.create_transpose_cache()
         _keep_shared_scales(record, planes, shared_scales)
         return
-    if usages == _BACKWARD_ONLY:
+    if backward_only:
         gathered.create_transpose_cache()
     _keep_shared_scales(record, planes, shared_scales)
-    # The planes are views of `outputs`, which FSDP already frees on reshard.
-    return gathered, ()
+    # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
+    # with them is the owner record's: a completion adds its buffers there.
+    return gathered, record.inner_tensors
+
+
+class GatheredWeight:
+    """One gather over several ranks that brought one plane of a recipe storing two, kept in the
+    owner record (``param_state.gather.gathered``) until the next gather: a read of the other plane
+    from the unsharded weight completes it here (see "what each FSDP2 all-gather moves" above).
+
+    Args:
+        shard: a weak reference to the local shard the gather sent.
+        metadata: the gather's :class:`_GatherMetadata`.
+        planes: the gathered (padded) planes, views of FSDP2's all-gather buffers.
+    """
+
+    __slots__ = ("_shard", "_metadata", "_data_ptrs", "_completed")
+
+    def __init__(self, shard: weakref.ref, metadata: _GatherMetadata, planes: dict[str, Plane]):
+        self._shard = shard
+        self._metadata = metadata
+        # The unsharded weight and every alias of it (FSDP2's as_strided and Parameter, a GEMM's
+        # transpose view, a dtype cast) hold views of these buffers: that is how they are known.
+        self._data_ptrs = frozenset(p.data.data_ptr() for p in planes.values())
+        self._completed: dict[str, Plane] = {}  # stored plane -> the full (padded) plane all-gathered
+
+    def _is_gathered_weight(self, t: QuantizedTensor) -> bool:
+        return any(p.data.data_ptr() in self._data_ptrs for p in t.planes.values())
+
+    def complete_(self, t: QuantizedTensor, usage: str) -> bool:
+        """Give ``t`` the plane serving ``usage`` if ``t`` is (an alias of) this gather's weight:
+        all-gathered at the first such read, handed out again to later ones. ``False`` otherwise,
+        and while torch.compile traces (a compiled region gathers both planes, see above)."""
+        if _compat.is_traced(t) or not self._is_gathered_weight(t):
+            return False
+        stored = t.recipe.stored_usage(usage)
+        plane = self._completed.get(stored)
+        if plane is None:
+            plane = self._completed[stored] = self._all_gather(t, stored)
+        m = self._metadata
+        full_rows = m.padded_rows * m.world
+        if t.shape[0] != full_rows:  # the unpadded weight: its rows of the full plane
+            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,))
+            plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
+        planes = t.planes
+        planes[stored] = plane
+        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage), t.transpose_cache)
+        return True
+
+    def _all_gather(self, t: QuantizedTensor, stored: str) -> Plane:
+        """The full plane ``stored``, all-gathered from every rank's shard over FSDP2's group for
+        this weight, into buffers FSDP2 frees when it reshards the weight."""
+        shard = self._shard()
+        m = self._metadata
+        if shard is None:  # FSDP2 handed the hook a copy of the shard (CPU offload), gone since
+            raise RecipeError(
+                f"{t.recipe.name}: the unsharded FP8 weight of shape {tuple(t.shape)} is read for its {stored} plane, "
+                "which its FSDP2 gather did not bring, and the shard it was gathered from is no longer alive "
+                "(FSDP2's CPU offload gathers a copy). Mark the fully_shard-ed module with "
+                "dtensor_fp8.gather_both_usages(module) so that every gather brings both planes.")
+        if shard.device != t.device:
+            shard = shard.to(t.device)
+        plan = _gather_plan(shard, (m.orig_rows, m.cols), m.world, (stored,), m.process_group)
+        inputs, shared_scales, _ = _gather_inputs(shard, plan)
+        record = shard.param_state.gather
+        outputs = []
+        for inp in inputs:
+            flat = inp.reshape(-1)
+            gathered = flat.new_empty(flat.numel() * m.world)
+            torch.distributed.all_gather_into_tensor(gathered, flat, group=m.process_group)
+            outputs.append(gathered)
+            record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
+        planes = _planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
+                                      m.padded_rows, m.world, m.cols, lambda u, live: live.clone())
+        return planes[stored]
 
 
 class _BoundPreAllGather:
