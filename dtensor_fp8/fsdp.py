@@ -156,9 +156,10 @@ def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> Non
 
 def _gathers_both(group) -> bool:
     """Whether every gather of ``group`` must carry both planes (see the note at the top). The
-    walk over every submodule is the costliest part of a gather's bookkeeping: callers keep the
-    answer (the owner record's ``gather.gathers_both``). Apply checkpointing and compile before
-    the first forward, as torch's own FSDP2 recipes and torchtitan do."""
+    walk over every submodule is the costliest part of a gather's bookkeeping: it runs at a
+    parameter's first gather, whose answer the owner record keeps (``gather.gathers_both``).
+    Apply checkpointing and compile before the first forward, as torch's own FSDP2 recipes and
+    torchtitan do."""
     wrapper_cls = _compat.checkpoint_wrapper_class()
     for root in _compat.fsdp_group_modules(group):
         for m in root.modules():
@@ -174,7 +175,10 @@ def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]
 
     Args:
         group: the ``FSDPParamGroup`` gathering (``None``: outside FSDP's unshard, deliver both).
-        gathers_both: whether ``group`` gathers both planes, if already known (else found here).
+        gathers_both: whether every gather of the weight carries both directions, fixed by its
+            first gather (FSDP2 sizes its all-gather buffers once: see the note at the top):
+            ``True``, ``False`` (one direction, this gather's), or ``None`` at the first gather
+            (found here from the group's modules and state).
 
     Example:
         >>> gather_usages(_compat.fsdp_param_group_of(linear))   # ("rowwise",) in forward
@@ -185,8 +189,8 @@ def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]
         return (ROWWISE, COLUMNWISE)
     if _compat.in_backward() or _compat.fsdp_group_in_backward(group):
         return (COLUMNWISE,)
-    if not _compat.fsdp_group_reshards_after_forward(group):  # no backward gather follows
-        return (ROWWISE, COLUMNWISE)
+    if gathers_both is None and not _compat.fsdp_group_reshards_after_forward(group):
+        return (ROWWISE, COLUMNWISE)  # the first gather of a weight no backward gather follows
     return (ROWWISE,)
 
 
@@ -362,7 +366,7 @@ def _param_group_of(q: QuantizedTensor, module):
                 f"FSDP2 state in torch {torch.__version__}'s module-state registry lists it. dtensor_fp8/_compat.py "
                 "reads FSDP2's state as torch 2.11, 2.13, 2.14 and 2.15 lay it out: use one of those versions, "
                 "or update _compat.fsdp_managed_params for this one.")
-        record.group, record.gathers_both = weakref.ref(group), _gathers_both(group)
+        record.group = weakref.ref(group)
         if _compat.fsdp_group_reshards_to_smaller_mesh(group):
             _reshard_fully_after_forward(group)
     return group
@@ -390,6 +394,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     record.start_gather()  # FSDP2 gathers a sharded weight: the last gather's buffers are freed
     group = _param_group_of(self, module)
     usages = gather_usages(group, gathers_both=record.gathers_both)
+    if record.gathers_both is None:  # the first gather fixes how many planes every gather carries
+        record.gathers_both = len(usages) == len(USAGES)
     # The same few gathers repeat every step; their plans are kept in the owner record, keyed by
     # the mesh object FSDP holds for the parameter's lifetime.
     plans = record.plans
@@ -627,13 +633,14 @@ class GatheredWeight:
         this weight, into buffers FSDP2 frees when it reshards the weight."""
         shard = self._shard()
         m = self._metadata
-        if shard is None:  # FSDP2 handed the hook a copy of the shard (CPU offload), gone since
+        if shard is None:  # the parameter was replaced since (e.g. a checkpoint load): nothing to gather from
             raise RecipeError(
                 f"{t.recipe.name}: the unsharded FP8 weight of shape {tuple(t.shape)} is read for its {stored} plane, "
-                "which its FSDP2 gather did not bring, and the shard it was gathered from is no longer alive "
-                "(FSDP2's CPU offload gathers a copy). Mark the fully_shard-ed module with "
-                "dtensor_fp8.gather_both_usages(module) so that every gather brings both planes.")
-        if shard.device != t.device:
+                "which its FSDP2 gather did not bring, and the shard it was gathered from is gone (was the "
+                "parameter replaced while FSDP2 held it unsharded?). Call reshard() on the fully_shard-ed module "
+                "before replacing its parameters, or mark it with dtensor_fp8.gather_both_usages(module) so that "
+                "every gather brings both planes.")
+        if shard.device != t.device:  # FSDP2's CPU offload: the shard lives on the host
             shard = shard.to(t.device)
         plan = _gather_plan(shard, (m.orig_rows, m.cols), m.world, (stored,), m.process_group)
         inputs, shared_scales, _ = _gather_inputs(shard, plan)

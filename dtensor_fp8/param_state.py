@@ -75,8 +75,9 @@ class GatherState:
             its last inputs (``fsdp._PlanEntry``), made at its first gather.
         group: a weak reference to the ``FSDPParamGroup`` gathering the parameter, read once from
             FSDP2's registry; ``None`` before the first gather.
-        gathers_both: whether that group's gathers carry both planes (checkpointing or compile
-            under it), found once; ``None`` before.
+        gathers_both: whether every gather carries both directions (checkpointing or compile
+            under the group, or a first gather that wanted both: FSDP2 sizes its all-gather
+            buffers at the first gather, so that one fixes it for all); ``None`` before.
         unsharded_scales: the unsharded weight's own copies of per-tensor scales, by plane
             (``fsdp._shared_scale``).
         unsharded_view: what a gather hands out as the unsharded parameter where that is not a
