@@ -2,70 +2,63 @@
 
 [Note: what each FSDP2 all-gather moves]
 ``fully_shard`` calls ``fsdp_pre_all_gather`` on each rank's local shard and
-``fsdp_post_all_gather`` on the gathered buffers. We choose the *usages* to gather
-(:func:`gather_usages`), from the gathering ``FSDPParamGroup``'s state at the gather:
+``fsdp_post_all_gather`` on the gathered buffers (``fsdp_buffers.py`` makes the inputs and reads
+the outputs). We choose the *usages* a gather moves (:func:`gather_usages`) from the gathering
+``FSDPParamGroup``'s state at the gather:
 
-* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM). FSDP2 frees
-  the weight again when this forward ends, so only this forward reads it;
+* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM); FSDP2 frees
+  the weight when this forward ends;
 * backward gather: ``columnwise`` (input-gradient GEMM);
-* a group that does not reshard after forward (the root by default, ``reshard_after_forward=False``)
-  gathers both in forward, because no backward gather will happen;
+* the first gather of a group that does not reshard after forward (the root by default,
+  ``reshard_after_forward=False``): both, because no backward gather follows;
 * with ``checkpoint_wrapper`` or composable ``checkpoint`` under the group, or a module marked with
-  :func:`gather_both_usages`, both, because the forward is recomputed inside backward from the
-  backward gather (both in forward too: see the count rule below);
+  :func:`gather_both_usages`: both, because the forward is recomputed inside backward from the
+  backward gather;
 * with a compiled module under the group (``block.compile()`` or ``torch.compile(block)`` before
-  ``fully_shard``, torchtitan's per-block compile), both, in forward *and* backward: a compiled
-  backward is traced together with its forward and reads the planes the forward's graph saved
-  (views of FSDP's all-gather buffers, which FSDP refills in place at the backward gather), so
-  both gathers must fill those buffers with the same planes. For per-tensor and 128x128 recipes
-  this costs nothing (one stored plane either way); MXFP8 and 1x128 move both planes twice.
+  ``fully_shard``, torchtitan's per-block compile): both, because a compiled backward is traced
+  together with its forward and reads the planes the forward's graph saved (views of FSDP's
+  all-gather buffers, which FSDP refills in place at the backward gather), so both gathers must
+  fill those buffers with the same planes.
+
+*The count rule.* FSDP2 sizes a parameter's all-gather outputs at its first gather, and every later
+gather must hand over the same number of inputs with the same dtypes and numels, or FSDP2 silently
+resizes them ("An output ... was resized") and corrupts the data. Rowwise-only and columnwise-only
+gathers satisfy it (equal data shapes; scale inputs padded to a slot that fits either grid), a
+gather of both planes does not: so a parameter's first gather fixes whether every gather of it
+carries both (``param_state.gather.gathers_both``). A group that gathered both once gathers both
+again if a backward gather ever follows (a pipeline schedule resharding the root after one
+micro-batch's backward while another's is pending).
 
 The plain schedule (``reshard_after_forward=True``, one forward and one backward per step) thus
-moves each weight's bytes once per direction: the figures of ``tests/test_fsdp.py``.
+moves each weight's bytes once per direction: the figures ``tests/test_fsdp.py`` asserts.
 
 *What a gathered weight serves.* Per-tensor and 128x128 recipes store one plane that serves both
 directions (the columnwise plane is its transpose), so every gathered weight of those recipes
-declares both usages, whichever direction was asked for: no schedule can find it lacking, at no
-wire cost. MXFP8 and 1x128 store two planes: a one-direction gather brings one.
+declares both usages (:func:`fsdp_buffers.served_usages`), whichever direction was asked for: no
+schedule finds it lacking, at no wire cost. MXFP8 and 1x128 store two planes: a one-direction
+gather brings one.
 
 *Any schedule.* FSDP2 may run a forward on a weight still unsharded from a backward (gradient
-accumulation with ``set_reshard_after_backward(False)``, which pipeline schedules set for every
-micro-batch but the last: 1F1B runs micro-batch k+1's forward after k's backward), or a forward
-inside a backward (``torch.utils.checkpoint`` around part of a block's ``forward`` recomputes it
-from the backward gather; no structure shows it beforehand). Such a read of a plane the gather did
-not bring *completes* the unsharded weight: the parameter's owner record
-(``param_state.gather.gathered``, a :class:`GatheredWeight` left by the post-all-gather hook)
-all-gathers the missing plane from the shard over the same process group FSDP2 gathers the weight
-on (the shard mesh FSDP2 hands the hook; every rank of that group runs the same schedule, so the
-collectives match), adds it to the unsharded weight (and to any alias of it that reads it later,
-without another collective), and hands its buffers to FSDP2 as the parameter's "inner tensors to
-free" (the list the first post-all-gather returns, kept in ``param_state.gather.inner_tensors``),
-so FSDP2 frees them when it reshards the weight, with its own buffers. The next gather empties
-the list before FSDP2 allocates anything. Why not gather both planes in such schedules: FSDP2
-sizes each parameter's all-gather outputs at its first gather, and every later gather must hand
-over the same count, dtypes and numels of inputs (else it silently resizes and corrupts them), so
-"both" would have to be decided at the first gather, for every gather, before the schedule is
-known (pipeline schedules flip ``reshard_after_backward`` per micro-batch): two planes on every
-gather. Completing costs one plane where a forward meets a backward-only gather, nothing
-otherwise. Per micro-batch of gradient accumulation with ``set_reshard_after_backward(False)``:
-forward rowwise (first micro-batch) or completed rowwise (later ones), backward columnwise; with
-``reshard_after_forward=False`` forward gathers both once and nothing is completed.
+accumulation with ``set_reshard_after_backward(False)``, which ``torch.distributed.pipelining``
+sets for every micro-batch but the last, so 1F1B runs micro-batch k+1's forward on what k's
+backward gathered), or a forward inside a backward (``torch.utils.checkpoint`` around part of a
+block's ``forward``, which no structure shows beforehand). Such a read of a plane the gather did
+not bring *completes* the unsharded weight: an all-gather of that plane alone over FSDP2's group
+for the weight, kept until FSDP2 reshards it (``fsdp_completion.py``). Gathering both planes in
+such schedules instead would, by the count rule, have to be decided at the first gather, before
+the schedule is known (pipeline schedules flip ``reshard_after_backward`` per micro-batch), and
+cost two planes on every gather; completing costs one plane where a forward meets a backward-only
+gather, and nothing in the plain schedule. Per micro-batch of gradient accumulation that keeps
+the weights: forward rowwise (first micro-batch) or completed rowwise (later ones), backward
+columnwise; with ``reshard_after_forward=False`` the forward gathers both once and nothing is
+completed.
 
-*``reshard_after_forward=<int>``.* FSDP2 reshards all-gather-extension parameters to a smaller
-post-forward mesh only for one plain all-gather output, and cannot all-gather from that state at
-all (torch 2.11 to 2.15), so the first gather of such a group switches it to
+*``reshard_after_forward=<int>``.* FSDP2 reshards to a smaller post-forward mesh only a parameter
+with one plain all-gather output, and cannot all-gather an extension's parameter from that state
+at all (torch 2.11 to 2.15), so the first gather of such a group switches it to
 ``reshard_after_forward=True`` through FSDP2's own ``set_reshard_after_forward``, with a warning:
-the same results, backward gathers over the whole shard group (in FP8). An int equal to the shard
-group size (FSDP2: ``True``) or to 1 (FSDP2: ``False``) needs nothing.
-
-Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
-(only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
-the metadata, as every scale does on a one-rank mesh, where the "gather" is a local copy). FSDP
-sizes its all-gather outputs once, at the first gather, and every later gather must hand over
-the same number of inputs with the same dtypes and numels, or it silently resizes them ("An
-output ... was resized") and corrupts the data. Forward (rowwise) and backward
-(columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
-padded to a per-recipe slot size that fits either direction's local scale grid.
+the same results, the backward gathers over the whole shard group (in FP8). An int equal to the
+shard group size (FSDP2: ``True``) or to 1 (FSDP2: ``False``) needs nothing.
 
 On a one-rank mesh nothing is sent at all: the "gather" would be a copy of the shard, so the
 unsharded parameter views the shard's own planes instead, serving every usage the shard serves (a
@@ -86,7 +79,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 import weakref
 from typing import Protocol
@@ -94,11 +86,12 @@ from typing import Protocol
 import torch
 
 from . import _compat
-from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError
-from .ops.slicing import check_shardable, slice_quantized
-from .tensor import QuantizedTensor, one_byte_as_uint8
-
-aten = torch.ops.aten
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
+from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, pack,
+                           planes_from_outputs, served_usages, unpack)
+from .fsdp_completion import GatheredWeight
+from .ops.slicing import slice_quantized
+from .tensor import QuantizedTensor
 
 
 # [Note: per-gather state]
@@ -204,10 +197,15 @@ GATHER_BOTH_ATTR = "_dtensor_fp8_gather_both"
 def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     """Mark ``module`` so FSDP gathers of its FP8 weights carry both planes.
 
-    Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself, or
-    when it runs compiled without ``module.compile()`` / ``torch.compile(module)`` on it or below
-    it (e.g. ``torch.compile`` of a whole model whose blocks are ``fully_shard``-ed). Call it
-    before the first forward: each FSDP group looks for these once.
+    Needed when the module runs compiled without ``module.compile()`` / ``torch.compile(module)``
+    on it or below it (e.g. ``torch.compile`` of a whole model whose blocks are ``fully_shard``-ed:
+    a compiled region cannot complete a weight). Optional when its forward calls
+    ``torch.utils.checkpoint.checkpoint`` itself: without it, MXFP8 and 1x128 weights read by the
+    recompute are completed by an all-gather of their rowwise plane at the recompute (not
+    prefetched); with it, every gather moves both planes (prefetched, twice the bytes). Also the
+    way out where ranks of the FSDP group may read different weights (data-dependent branches),
+    since completions must match across ranks. Call it before the first forward: each FSDP group
+    looks for these once.
 
     Example:
         >>> dtensor_fp8.gather_both_usages(block); fully_shard(block)
@@ -216,135 +214,15 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-# ---- all-gather inputs and outputs -------------------------------------------------------------------
-def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
-    """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
-    usages, so forward and backward gathers hand FSDP equal numels."""
-    return max(math.prod(q.recipe.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
-
-
-def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
-    return q.recipe.block_shape(usage).extent(0) is not None
-
-
-def served_usages(recipe, stored: tuple[str, ...]) -> tuple[str, ...]:
-    """Every usage that the stored planes ``stored`` serve: both for per-tensor and 128x128 recipes
-    (one stored plane), else the planes themselves. A gathered weight declares these (see the note
-    at the top).
-
-    Args:
-        recipe: the weight's recipe.
-        stored: the stored planes a gather brought.
-
-    Example:
-        >>> served_usages(dtensor_fp8.CurrentScaling(), ("rowwise",))
-        ('rowwise', 'columnwise')
-    """
-    return tuple(u for u in USAGES if recipe.stored_usage(u) in stored)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _GatherMetadata:
-    """What ``fsdp_post_all_gather`` needs to rebuild the planes from FSDP's output buffers."""
-
-    usages: tuple[str, ...]  # usages the gathered tensor serves (served_usages of ``stored``)
-    gathered: tuple[str, ...]  # usages this gather was asked for (gather_usages)
-    stored: tuple[str, ...]  # planes sent, in order (data, then scale where blocks lie along dim 0)
-    shared_scales: dict  # per-tensor scales: identical on every rank, not sent
-    padded_rows: int  # rows of each rank's (padded) shard
-    world: int
-    view: UnshardedView | None  # the owning module's registered view (te.py), or None: a QuantizedTensor
-    orig_rows: int  # rows of the unpadded full weight
-    cols: int  # columns of the weight (shards split rows only)
-    fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    packed_layout: list | None = None  # one-rank packing of all parts into one input (see below)
-    shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
-    process_group: object = None  # the group FSDP2 gathers over (several ranks): a completion gathers there
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _GatherPlan:
-    """What one kind of gather of one weight sends; the same every step, so computed once."""
-
-    world: int
-    stored: tuple[str, ...]  # planes sent, in order
-    padded_rows: int  # rows of each rank's (padded) shard
-    pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
-    sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
-    scale_slot: int  # numel of every scale input (see _scale_slot_numel)
-    view: UnshardedView | None  # the owning module's registered view (te.py), or None
-    fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
-    process_group: object  # the shard mesh's process group (several ranks), else None
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _PlanEntry:
-    """A gather's plan, and the last inputs it handed out while they can be handed out again."""
-
-    plan: _GatherPlan
-    last: tuple | None = None  # (inputs, metadata) of the last gather, reusable while the planes are the same
-    last_planes: tuple | None = None  # the plane tensors (QuantizedTensor.plane_tensors) those inputs view
-
-
-def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
-    """Raise a :class:`RecipeError` with the fix unless FSDP2 can gather ``usages`` of a weight of
-    ``outer_size`` sharded over ``world`` ranks."""
-    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    check_shardable(outer_size, q.recipe, 0, world, usages)
-    if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
-        # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
-        # padded shard's exact shape; block scales cannot. Raised on every rank alike.
-        padded_rows = -(-outer_size[0] // world)
-        raise RecipeError(
-            f"{q.recipe.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
-            f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
-            f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
-        )
-
-
-# [Note: where an FSDP2 sharding is refused]
-# Shard boundaries inside a block are refused at ``fully_shard`` itself: FSDP2 chunks the weight
-# with ``torch.chunk``, and the op table's split cuts whole blocks only (ops/slicing.py). Block
-# scales of uneven dim-0 shards are a limit of FSDP2's all-gather alone (every input must have the
-# padded shard's shape), not of the tensor op, so they are refused by the weight's first
-# ``fsdp_pre_all_gather``, which FSDP2 tells the full shape (``outer_size``) and the shard mesh: on
-# every rank alike (each checks the same shape and world size), before FSDP2 issues the collective,
-# with a RecipeError naming shape, world size and fix. Every direction the weight will be gathered
-# in is checked there, so a forward cannot succeed and its backward then fail. ``fully_shard``
-# offers no frame-free moment to do it earlier: ``FSDPParam.__init__`` looks the hook up on the new
-# shard before FSDP2 attaches the param group to its state (so the registry of
-# ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
-# parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...],
-                 process_group) -> _GatherPlan:
-    """The plan for one kind of gather over ``world`` ranks of ``process_group`` (the shard mesh's,
-    ``None`` for one rank), after checking that every gather of ``q`` is possible."""
-    every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
-    _check_gatherable(q, outer_size, world, every_usage)
-    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    padded_rows = -(-outer_size[0] // world)
-    sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
-    view = q.param_state.gather.unsharded_view
-    planes = q.planes
-    fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
-    # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
-    shard_view = world == 1 and (view is None or view.views_shard(q))
-    return _GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
-                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows), view=view,
-                       fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group)
-
-
-def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
-    """One rank (``_GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
+def _shard_view_gather(q: QuantizedTensor, plan: GatherPlan, usages, outer_size):
+    """One rank (``GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
     nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
     (:func:`_view_of_shard`, or the registered view's ``from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
     # The shard's planes serve whatever the shard serves (the view is over all of them), except
     # through a registered view (TE's buffers are built for the gathered direction).
     served = usages if plan.view is not None else q.usages
-    metadata = _GatherMetadata(usages=served, gathered=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
+    metadata = GatherMetadata(usages=served, gathered=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=(),
                                shard_view=True)
     return (empty,), metadata
@@ -403,7 +281,7 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     entry = plans.get(key)
     if entry is None:
         world = mesh.size()
-        entry = plans[key] = _PlanEntry(_gather_plan(self, key[1], world, usages, mesh.get_group() if world > 1 else None))
+        entry = plans[key] = PlanEntry(gather_plan(self, key[1], world, usages, mesh.get_group() if world > 1 else None))
         if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
             entry.last = _shard_view_gather(self, entry.plan, usages, key[1])
     plan = entry.plan
@@ -411,16 +289,13 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return entry.last
-    inputs, shared_scales, local_planes = _gather_inputs(self, plan)
-    metadata = _GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
+    inputs, shared_scales, local_planes = gather_inputs(self, plan)
+    metadata = GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
                                shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
                                fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group)
-    if plan.world == 1 and len(inputs) > 1:
-        # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
-        # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
-        layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
-        packed = torch.cat([_pad_bytes(t) for t in inputs])
+    if plan.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first input of a one-rank "gather"
+        packed, layout = pack(inputs)
         return (packed,), dataclasses.replace(metadata, packed_layout=layout)
     result = tuple(inputs), metadata
     if not plan.pad_rows and not plan.sent_scales and all(
@@ -428,54 +303,6 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
         entry.last, entry.last_planes = result, self.plane_tensors()
     return result
-
-
-def _gather_inputs(q: QuantizedTensor, plan: _GatherPlan) -> tuple[list, dict, dict]:
-    """What ``plan`` sends of the shard ``q``: ``(inputs, shared_scales, local_planes)``: each stored
-    plane's FP8 data as uint8, then its block scales padded to the slot (where sent); the per-tensor
-    scales that are not sent, by plane; the (padded) shard's planes the inputs were made from."""
-    local = q
-    if plan.pad_rows:  # short last shard: pad to the padded shard size
-        local = aten.constant_pad_nd.default(local, [0, 0, 0, plan.pad_rows])
-    inputs, shared_scales = [], {}
-    local_planes = local.planes
-    for usage in plan.stored:
-        plane = local_planes[usage]
-        inputs.append(plane.data.contiguous().view(torch.uint8))
-        if usage in plan.sent_scales:
-            scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
-            padded = scale.new_zeros(plan.scale_slot)
-            padded[: scale.numel()] = scale
-            inputs.append(padded)
-        else:
-            # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
-            shared_scales[usage] = plane.scale_inv
-    return inputs, shared_scales, local_planes
-
-
-def _planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict, padded_rows: int, world: int,
-                         cols: int, scale_copy) -> dict[str, Plane]:
-    """The full (padded) planes over all-gather ``outputs`` of the inputs :func:`_gather_inputs`
-    made for the planes ``stored``: views of the output buffers (block scales: the ranks' grids,
-    out of their slots); per-tensor scales from ``scale_copy(usage, shard_scale)``."""
-    full_rows = padded_rows * world
-    planes, i = {}, 0
-    for usage, fp8_dtype in zip(stored, fp8_dtypes, strict=True):
-        data = outputs[i].view(full_rows, cols).view(fp8_dtype)
-        i += 1
-        if usage not in shared_scales:
-            gr, gc = recipe.block_shape(usage).grid((padded_rows, cols))
-            scale_dtype = recipe.scale_inv_dtype
-            raw = outputs[i].view(world, -1)
-            i += 1
-            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
-            # dim 0 is the full grid because every shard is a whole number of blocks.
-            scale = raw[:, : gr * gc].reshape(world * gr, gc)
-            scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
-        else:
-            scale = scale_copy(usage, shared_scales[usage])
-        planes[usage] = Plane(data, scale)
-    return planes
 
 
 def _shared_scale(record, out, usage: str, live: torch.Tensor) -> torch.Tensor:
@@ -496,26 +323,6 @@ def _keep_shared_scales(record, planes: dict, shared_scales: dict) -> None:
     """Remember in the owner record which scale tensors are the unsharded parameter's own copies."""
     if shared_scales:
         record.unsharded_scales = {u: planes[u].scale_inv for u in shared_scales}
-
-
-def _padded_nbytes(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // 4) * 4  # keep every part 4-byte aligned (fp32 scales)
-
-
-def _pad_bytes(t: torch.Tensor) -> torch.Tensor:
-    raw = t.reshape(-1).view(torch.uint8)
-    out = raw.new_zeros(_padded_nbytes(t))
-    out[: raw.numel()] = raw
-    return out
-
-
-def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
-    parts, offset = [], 0
-    for dtype, shape, nbytes in layout:
-        part = packed[offset : offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
-        parts.append(part.view(dtype).view(shape))
-        offset += nbytes
-    return parts
 
 
 #: The gathers after which the transpose cache is built here: backward-only ones, whose one consumer
@@ -541,20 +348,20 @@ def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch
     return (view, ()) if out is None else None
 
 
-def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetadata, param_dtype, *, out=None):
+def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadata, param_dtype, *, out=None):
     usages, backward_only = metadata.usages, metadata.gathered == _BACKWARD_ONLY
     if metadata.shard_view:  # one rank: the unsharded parameter views this shard
         if metadata.view is not None:
             return metadata.view.from_shard(self, metadata.gathered, param_dtype, out)
         return _view_of_shard(self, usages, param_dtype, out, backward_only)
     if metadata.packed_layout is not None:
-        outputs = _unpack(outputs[0], metadata.packed_layout)
+        outputs = unpack(outputs[0], metadata.packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
     out_local = _compat.dtensor_local(out) if out is not None else None
     record = self.param_state.gather
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
-    planes = _planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
+    planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
                                   padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
         result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
@@ -582,79 +389,6 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
     # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
     # with them is the owner record's: a completion adds its buffers there.
     return gathered, record.inner_tensors
-
-
-class GatheredWeight:
-    """One gather over several ranks that brought one plane of a recipe storing two, kept in the
-    owner record (``param_state.gather.gathered``) until the next gather: a read of the other plane
-    from the unsharded weight completes it here (see "what each FSDP2 all-gather moves" above).
-
-    Args:
-        shard: a weak reference to the local shard the gather sent.
-        metadata: the gather's :class:`_GatherMetadata`.
-        planes: the gathered (padded) planes, views of FSDP2's all-gather buffers.
-    """
-
-    __slots__ = ("_shard", "_metadata", "_data_ptrs", "_completed")
-
-    def __init__(self, shard: weakref.ref, metadata: _GatherMetadata, planes: dict[str, Plane]):
-        self._shard = shard
-        self._metadata = metadata
-        # The unsharded weight and every alias of it (FSDP2's as_strided and Parameter, a GEMM's
-        # transpose view, a dtype cast) hold views of these buffers: that is how they are known.
-        self._data_ptrs = frozenset(p.data.data_ptr() for p in planes.values())
-        self._completed: dict[str, Plane] = {}  # stored plane -> the full (padded) plane all-gathered
-
-    def _is_gathered_weight(self, t: QuantizedTensor) -> bool:
-        return any(p.data.data_ptr() in self._data_ptrs for p in t.planes.values())
-
-    def complete_(self, t: QuantizedTensor, usage: str) -> bool:
-        """Give ``t`` the plane serving ``usage`` if ``t`` is (an alias of) this gather's weight:
-        all-gathered at the first such read, handed out again to later ones. ``False`` otherwise,
-        and while torch.compile traces (a compiled region gathers both planes, see above)."""
-        if _compat.is_traced(t) or not self._is_gathered_weight(t):
-            return False
-        stored = t.recipe.stored_usage(usage)
-        plane = self._completed.get(stored)
-        if plane is None:
-            plane = self._completed[stored] = self._all_gather(t, stored)
-        m = self._metadata
-        full_rows = m.padded_rows * m.world
-        if t.shape[0] != full_rows:  # the unpadded weight: its rows of the full plane
-            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,))
-            plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
-        planes = t.planes
-        planes[stored] = plane
-        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage), t.transpose_cache)
-        return True
-
-    def _all_gather(self, t: QuantizedTensor, stored: str) -> Plane:
-        """The full plane ``stored``, all-gathered from every rank's shard over FSDP2's group for
-        this weight, into buffers FSDP2 frees when it reshards the weight."""
-        shard = self._shard()
-        m = self._metadata
-        if shard is None:  # the parameter was replaced since (e.g. a checkpoint load): nothing to gather from
-            raise RecipeError(
-                f"{t.recipe.name}: the unsharded FP8 weight of shape {tuple(t.shape)} is read for its {stored} plane, "
-                "which its FSDP2 gather did not bring, and the shard it was gathered from is gone (was the "
-                "parameter replaced while FSDP2 held it unsharded?). Call reshard() on the fully_shard-ed module "
-                "before replacing its parameters, or mark it with dtensor_fp8.gather_both_usages(module) so that "
-                "every gather brings both planes.")
-        if shard.device != t.device:  # FSDP2's CPU offload: the shard lives on the host
-            shard = shard.to(t.device)
-        plan = _gather_plan(shard, (m.orig_rows, m.cols), m.world, (stored,), m.process_group)
-        inputs, shared_scales, _ = _gather_inputs(shard, plan)
-        record = shard.param_state.gather
-        outputs = []
-        for inp in inputs:
-            flat = inp.reshape(-1)
-            gathered = flat.new_empty(flat.numel() * m.world)
-            torch.distributed.all_gather_into_tensor(gathered, flat, group=m.process_group)
-            outputs.append(gathered)
-            record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
-        planes = _planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
-                                      m.padded_rows, m.world, m.cols, lambda u, live: live.clone())
-        return planes[stored]
 
 
 class _BoundPreAllGather:

@@ -72,7 +72,7 @@ class GatherState:
 
     Attributes:
         plans: ``(id(mesh), outer size, usages, id(module))`` -> that kind of gather's plan and
-            its last inputs (``fsdp._PlanEntry``), made at its first gather.
+            its last inputs (``fsdp_buffers.PlanEntry``), made at its first gather.
         group: a weak reference to the ``FSDPParamGroup`` gathering the parameter, read once from
             FSDP2's registry; ``None`` before the first gather.
         gathers_both: whether every gather carries both directions (checkpointing or compile
@@ -83,11 +83,11 @@ class GatherState:
         unsharded_view: what a gather hands out as the unsharded parameter where that is not a
             QuantizedTensor (``fsdp.UnshardedView``; TE modules' weights: ``te.FSDP_TE_VIEW``).
         gathered: the current gather, where it brought one plane of a recipe that stores two
-            (``fsdp.GatheredWeight``): a read of the other plane completes the unsharded weight
+            (``fsdp_completion.GatheredWeight``): a read of the other plane completes the unsharded weight
             through it (:meth:`complete_`); ``None`` otherwise, and from the next gather on.
         inner_tensors: the list FSDP2 holds as the parameter's "inner tensors to free": the
             buffers a completion all-gathered, which FSDP2 frees when it reshards; emptied at
-            each gather (see "what each FSDP2 all-gather moves" in ``fsdp.py``).
+            each gather (see the note in ``fsdp_completion.py``).
     """
 
     plans: dict = field(default_factory=dict)

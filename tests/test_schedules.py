@@ -143,7 +143,7 @@ def _train(recipe_name, schedule, plain):
     """``STEPS`` steps of ``schedule`` (``plain``: its plain-schedule twin). Returns the losses, every
     shard's FP8 planes, the masters, the all-gather bytes received, the completions (all-gathers of a
     plane a gather did not bring, by weight) and the warnings."""
-    import dtensor_fp8.fsdp as dfsdp
+    import dtensor_fp8.fsdp_completion as completion
 
     spec = SCHEDULES[schedule]
     model = _model(recipe_name, None if plain else spec.get("ckpt"))
@@ -153,7 +153,7 @@ def _train(recipe_name, schedule, plain):
     names = {id(d.placement.local_tensor(p).param_state): n.replace("_checkpoint_wrapped_module.", "")
              for n, p in model.named_parameters()}
     completions = {}
-    real = dfsdp.GatheredWeight._all_gather
+    real = completion.GatheredWeight._all_gather
 
     def counting(self, t, stored):
         name = names[id(t.param_state)]
@@ -162,7 +162,7 @@ def _train(recipe_name, schedule, plain):
 
     run = spec.get("run", lambda m, b, l, plain: _accumulate(m, b, l, keep=False, sync=True, plain=plain))
     losses = []
-    dfsdp.GatheredWeight._all_gather = counting
+    completion.GatheredWeight._all_gather = counting
     try:
         with warnings.catch_warnings(record=True) as caught, CollectiveBytes() as wire:
             warnings.simplefilter("always")
@@ -171,7 +171,7 @@ def _train(recipe_name, schedule, plain):
                 opt.step()
                 opt.zero_grad()
     finally:
-        dfsdp.GatheredWeight._all_gather = real
+        completion.GatheredWeight._all_gather = real
     model.reshard()
     planes = {}
     for n, p in model.named_parameters():
@@ -208,7 +208,9 @@ COMPLETIONS = {
 def test_schedule_trains_bitwise_like_the_plain_schedule(pools, recipe_name, schedule):
     world = SCHEDULES[schedule].get("world", 2)
     if world not in WORLD_SIZES:
-        pytest.skip(f"needs {world} ranks")
+        if world != 2 or 1 not in WORLD_SIZES:
+            pytest.skip(f"needs {world} ranks")
+        world = 1  # one rank (the single-GPU suite): the unsharded weight views the shard, both planes
     for rank, (got, plain) in enumerate(pools[world].run(_compare, recipe_name, schedule)):
         losses, planes, masters, received, completions, caught = got
         ref_losses, ref_planes, ref_masters, ref_received, ref_completions, _ = plain
@@ -220,12 +222,13 @@ def test_schedule_trains_bitwise_like_the_plain_schedule(pools, recipe_name, sch
         for name, master in masters.items():
             assert torch.equal(master, ref_masters[name]), (rank, name)
         assert ref_completions == {}, "the plain schedule never completes a weight"
-        expected = {} if recipe_name in ONE_PLANE else {n: c * STEPS for n, c in COMPLETIONS[schedule].items()}
+        expected = {} if recipe_name in ONE_PLANE or world == 1 else {
+            n: c * STEPS for n, c in COMPLETIONS[schedule].items()}
         assert completions == expected, (rank, completions)
         if schedule == "int_reshard_after_forward":
             assert sum("reshard_after_forward=<int>" in w for w in caught) == 2, caught  # once per block
             assert received == ref_received, (received, ref_received)
-        if schedule.startswith("keep_unsharded") and recipe_name in ONE_PLANE:
+        if schedule.startswith("keep_unsharded") and recipe_name in ONE_PLANE and world > 1:
             # The forwards after the first read the planes the backward gathered: 2 + 2 (MICRO - 1)
             # block gathers per step instead of 2 MICRO (the root's head gathers once a micro-batch).
             assert received < ref_received, (received, ref_received)
@@ -273,3 +276,55 @@ def test_completed_planes_are_freed_when_fsdp_reshards(pools):
         assert data == DIM * DIM and scales == 2 * (DIM // 2) * (DIM // 32), seen  # uint8: bytes
         assert seen["after_forward"] == [0, 0], seen  # freed by FSDP2's reshard
         assert seen["after_backward"] == 0, seen
+
+
+def _train_2d(recipe_name, plain):
+    """The attention block of tests/test_tp.py on a (dp=2, tp=2) mesh, gradient accumulation that keeps
+    the unsharded weights (``plain``: its plain twin): losses, the local FP8 bytes, completions."""
+    import dtensor_fp8.fsdp_completion as completion
+    from test_tp import _build
+
+    model, dp_mesh = _build("attention", RECIPES[recipe_name], "2d", seed=3, alternating=True)
+    opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
+    completions = []
+    real = completion.GatheredWeight._all_gather
+    completion.GatheredWeight._all_gather = lambda self, t, stored: completions.append(stored) or real(self, t, stored)
+    losses = []
+    try:
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(step * 10 + dp_mesh.get_local_rank())  # the same on both tp ranks
+            batches = [(torch.randn(2, 4, 512, generator=g).to(DEVICE), torch.randn(2, 4, 512, generator=g).to(DEVICE))
+                       for _ in range(MICRO)]
+            for i, (x, target) in enumerate(batches):
+                if not plain:
+                    model.set_reshard_after_backward(i == MICRO - 1)
+                loss = (model(x) - target).pow(2).mean() / MICRO
+                loss.backward()
+                losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    finally:
+        completion.GatheredWeight._all_gather = real
+    model.reshard()
+    planes = {(n, u): plane.data.view(torch.uint8).clone() for n, p in model.named_parameters()
+              if isinstance(q := d.placement.local_tensor(p), d.QuantizedTensor) for u, plane in q.planes.items()}
+    return losses, planes, len(completions)
+
+
+def _compare_2d(recipe_name):
+    return _train_2d(recipe_name, plain=False), _train_2d(recipe_name, plain=True)
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "blockwise1d", "current"])
+def test_keep_unsharded_under_tensor_parallelism(pools, recipe_name):
+    """FSDP2 over dp with tensor parallelism inside: the weights the GEMMs read are the tp-local
+    unsharded tensors (through DTensor's ``t`` / ``mm``): a completion over the dp group gives them
+    the bytes the plain schedule's forward gathers."""
+    if 4 not in WORLD_SIZES:
+        pytest.skip("needs 4 ranks")
+    for (losses, planes, completions), (ref_losses, ref_planes, ref_completions) in pools[4].run(_compare_2d, recipe_name):
+        assert losses == ref_losses
+        assert planes.keys() == ref_planes.keys()
+        assert all(torch.equal(planes[k], ref_planes[k]) for k in planes)
+        # 4 weights (q, k, v, out), forwards 2..MICRO of each step
+        assert (completions, ref_completions) == (0 if recipe_name in ONE_PLANE else 4 * (MICRO - 1) * STEPS, 0)
