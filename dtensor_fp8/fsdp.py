@@ -362,14 +362,14 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
     planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
-                                  padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
+                                 padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
         result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
                                metadata.orig_rows)
         _keep_shared_scales(record, planes, shared_scales)
         return result
     if len(usages) < len(USAGES) and metadata.process_group is not None:
-        # One plane of two: a read of the other completes the weight (see the note at the top).
+        # One plane of two: a read of the other completes the weight (fsdp_completion.py).
         record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
                                            param_state=self.param_state)
