@@ -267,7 +267,7 @@ def _open(path: str, verify: bool | None) -> _Opened:
         return _Opened(metadata, None)
     check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
     try:
-        checksums = read_checksums(path)
+        checksums = read_checksums(path, metadata)
     except ChecksumFileError as err:
         raise CheckpointError(str(err)) from None
     if checksums is None:
