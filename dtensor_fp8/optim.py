@@ -335,6 +335,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._follow_model()
         return {self._fqn[p]: m for p, m in self._masters.items()}
 
+    def master_of(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The master of the FP8 parameter ``param`` of the model (None for any other tensor).
+
+        Example:
+            >>> opt.master_of(model.layers[0].w1.weight)
+        """
+        self._follow_model()
+        return self._masters.get(param)
+
     @property
     def scaling_states(self) -> dict[tuple[str, str], dict]:
         """``(fqn, plane) -> weight scaling state`` of stateful recipes (delayed scaling), as held by
