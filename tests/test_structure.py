@@ -31,7 +31,7 @@ LAYERS = [
     ("recipes", ["settings", "_compat", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "fsdp", "tp", "comm", "agreement"]),
-    ("training / checkpoint", ["requantize", "optim", "optim_follow", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
+    ("training / checkpoint", ["requantize", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),
     ("top", ["te", "__init__", "benchmarks", "benchmarks.*"]),
 ]
