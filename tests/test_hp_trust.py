@@ -38,11 +38,14 @@ def _plain(seed=0):
     return nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, DIM))
 
 
-def _fp8_model(recipe=RECIPE, train=True):
-    """The model a load goes into: sharded, with an optimizer that has stepped (masters, moments
-    and delayed scaling's amax history all hold values of their own)."""
+def _fp8_model(recipe=RECIPE, train=True, hsdp=False):
+    """The model a load goes into: sharded (over a 1-D mesh, or HSDP's 2-D one), with an optimizer
+    that has stepped (masters, moments and delayed scaling's amax history all hold values of their
+    own)."""
     model = d.quantize_module_(_plain(seed=1).to(DEVICE), d.RECIPES[recipe])
-    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh(DEVICE, (world,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -139,9 +142,9 @@ def sources(tmp_path_factory):
     return base
 
 
-def _load_into_live(source, kind, strict=True, allow_nonfinite=False, recipe=RECIPE):
+def _load_into_live(source, kind, strict=True, allow_nonfinite=False, recipe=RECIPE, hsdp=False):
     """Load into a trained model; returns (error or None, result, what changed)."""
-    model, opt = _fp8_model(recipe)
+    model, opt = _fp8_model(recipe, hsdp=hsdp)
     before = _live(model, opt)
     error = result = None
     options = {"allow_nonfinite": True} if allow_nonfinite else {}
@@ -240,6 +243,17 @@ def test_strict_refuses_extra_and_missing_entries_and_non_strict_returns_them(po
 def test_a_wrong_shape_is_refused_naming_both_shapes(pools, sources, kind):
     _refused(pools[WORLD].run(_load_into_live, os.path.join(sources, f"shape-{kind}"), kind), "'2.bias'", "(128,)",
              "(256,)")
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="needs 4 ranks")
+def test_hsdp_refuses_alike_on_every_rank_and_loads_exactly(pools, sources):
+    """On 4 ranks under HSDP (2 replicas x 2 shards), the NaN lies in the shards of two ranks: all
+    four refuse alike with nothing changed; the good source loads on all four."""
+    _refused(pools[4].run(_load_into_live, os.path.join(sources, "nan-hf"), "hf", True, False, RECIPE, True),
+             "entry '0.weight'", "NaN or Inf")
+    for error, result, changed in pools[4].run(_load_into_live, os.path.join(sources, "good-dcp"), "dcp", True, False,
+                                               RECIPE, True):
+        assert error is None and result == ([], []) and changed, error
 
 
 # ---- all or nothing --------------------------------------------------------------------------------------------

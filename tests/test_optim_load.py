@@ -121,12 +121,15 @@ def test_a_good_state_dict_loads_whole():
 
 
 # ---- the same decision on every rank -------------------------------------------------------------------------------
-def _sharded(recipe="mxfp8"):
+def _sharded(recipe="mxfp8", hsdp=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     net = _net(recipe=d.RECIPES[recipe]).to(DEVICE)
-    fully_shard(net, mesh=init_device_mesh(DEVICE, (dist.get_world_size(),)))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE, (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp else \
+        init_device_mesh(DEVICE, (world,))
+    fully_shard(net, mesh=mesh)
     opt = d.MasterWeightOptimizer(net, torch.optim.AdamW, lr=1e-2)
     net(_batch(0).to(DEVICE)).pow(2).mean().backward()
     opt.step()
@@ -134,8 +137,8 @@ def _sharded(recipe="mxfp8"):
     return net, opt
 
 
-def _load_sharded(case):
-    net, opt = _sharded()
+def _load_sharded(case, hsdp=False):
+    net, opt = _sharded(hsdp=hsdp)
     state = copy.deepcopy(opt.state_dict())
     ids = {name: i for i, name in enumerate(n for n, _ in net.named_parameters())}
     fc1 = state["state"][ids["fc1.weight"]]
@@ -170,6 +173,19 @@ def test_every_rank_refuses_alike_and_changes_nothing(pools, case, kind, parts):
     for error, msg, changed in results:
         assert error == kind and all(part in msg for part in parts), (error, msg)
         assert changed == [], changed
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="needs 4 ranks")
+def test_every_rank_of_an_hsdp_mesh_refuses_alike(pools):
+    """4 ranks, HSDP (2 replicas x 2 shards): a NaN moment on the last rank only is refused by all
+    four; full tensors load."""
+    results = pools[4].run(_load_sharded, "nan-moment-on-last-rank", True)
+    assert len({msg for _, msg, _ in results}) == 1, results
+    for error, msg, changed in results:
+        assert error == "FloatingPointError" and "exp_avg of fc1.weight holds NaN or Inf (on rank 3)" in msg, msg
+        assert changed == [], changed
+    for error, msg, _ in pools[4].run(_load_sharded, "full-tensors", True):
+        assert error is None, msg
 
 
 @needs_two
