@@ -407,8 +407,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if g is None:
                 inner.grad = None
                 continue
-            self._check_gradient_layout(p, g, inner)
-            g = local_tensor(g)
+            local = local_tensor(g)
+            self._check_gradient_layout(p, g, local, inner)
+            g = local
             if isinstance(g, QuantizedTensor):
                 materializing = True
                 inner.grad = torch.zeros_like(inner)
@@ -417,17 +418,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 inner.grad = g if g.dtype == inner.dtype else g.to(inner.dtype)
         return materializing
 
-    def _check_gradient_layout(self, p: torch.Tensor, g: torch.Tensor, inner: torch.Tensor) -> None:
+    def _check_gradient_layout(self, p: torch.Tensor, g: torch.Tensor, local: torch.Tensor, inner: torch.Tensor) -> None:
         """The step works on each rank's shard: a gradient laid out unlike its parameter (a
         Replicate DTensor set by hand on a sharded one) is named, with nothing stepped."""
         wrong = None
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and (
-                tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh):
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and (tuple(g.placements) != tuple(p.placements) or (
+                g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh)):
             wrong = (f"is a DTensor laid out as {tuple(g.placements)} on {g.device_mesh}, its parameter as "
                      f"{tuple(p.placements)} on {p.device_mesh}")
-        elif not isinstance(local_tensor(g), QuantizedTensor) and tuple(local_tensor(g).shape) != tuple(inner.shape):
-            wrong = (f"has shape {tuple(local_tensor(g).shape)} on this rank, its parameter's shard "
-                     f"{tuple(inner.shape)} (global {tuple(p.shape)})")
+        elif local.shape != inner.shape and not isinstance(local, QuantizedTensor):
+            wrong = f"has shape {tuple(local.shape)} on this rank, its parameter's shard {tuple(inner.shape)}"
         if wrong is not None:
             self._drop_inner_gradients()
             raise ValueError(

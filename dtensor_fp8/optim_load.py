@@ -61,13 +61,16 @@ def _shape(t) -> tuple:
 def _layout_problem(what: str, value, ref: torch.Tensor, current) -> str | None:
     """Why ``value`` cannot be the state ``what`` of the parameter (or master) ``ref``, whose own
     state there is ``current`` (None where this optimizer has none); None if it can (round 1)."""
+    current = current if isinstance(current, torch.Tensor) else None  # a Python number (``step``): any scalar
     if not isinstance(value, torch.Tensor):
-        if isinstance(current, torch.Tensor) and current.dim() > 0:
+        if current is not None and current.dim() > 0:
             return f"{what} is a {type(value).__name__}; this optimizer holds a {current.dtype} tensor {_shape(current)}"
         return None
-    if isinstance(current, torch.Tensor) and current.dim() == 0 or (current is None and value.dim() == 0):
-        return None if value.dim() == 0 else f"{what} has shape {_shape(value)}; this optimizer holds a scalar"
-    floating = current.is_floating_point() if isinstance(current, torch.Tensor) else True
+    if value.dim() == 0 and (current is None or current.dim() == 0):
+        return None
+    if current is not None and current.dim() == 0:
+        return f"{what} has shape {_shape(value)}; this optimizer holds a scalar"
+    floating = current.is_floating_point() if current is not None else True
     if floating and not value.is_floating_point():
         return (f"{what} is {value.dtype}; this optimizer holds floating-point values there (nothing is converted "
                 "from integers: the state dict of another optimizer, or damaged?)")
@@ -170,7 +173,8 @@ def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
                 continue
             else:
                 mine = current[p].get(key)
-                shaped_like_ref = mine is None or mine.dim() == 0 or _shape(mine) == _shape(local_tensor(ref))
+                shaped_like_ref = not isinstance(mine, torch.Tensor) or mine.dim() == 0 or \
+                    _shape(mine) == _shape(local_tensor(ref))
                 local = own[key] = localize(value, ref, what) if shaped_like_ref else value
             staged.values.append((f"the {key} of {opt._fqn_of(p)}", local))
         if own:

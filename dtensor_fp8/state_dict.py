@@ -259,7 +259,6 @@ def high_precision_state_dict(dtype: torch.dtype = torch.bfloat16, *, optimizer=
         _EXPORT.reset(token)
 
 
-
 # ---- high-precision import: staged and checked, then written at once ---------------------------------------
 class HPLoadResult(NamedTuple):
     """What :func:`load_hp_state_dict` / :func:`dtensor_fp8.load_hp_checkpoint` left out (both empty
@@ -315,8 +314,11 @@ def _shown(keys) -> str:
 def value_problem(key: str, src, target, where: str = "") -> str | None:
     """Why the high-precision value ``src`` cannot load into ``target`` (the model's tensor at
     ``key``), judged from what every rank sees alike (kind, dtype, global shape); None if it can.
-    ``src`` may be a tensor or a :class:`torch.distributed.checkpoint.metadata.TensorProperties`-like
-    ``(dtype, shape)`` pair (a checkpoint entry before it is read)."""
+    ``src`` may be a tensor, or the ``(dtype, shape)`` of a checkpoint entry not yet read.
+
+    Example:
+        >>> value_problem("0.weight", torch.zeros(3), model[0].weight)   # "entry '0.weight' has shape (3,), ..."
+    """
     entry = f"entry {key!r}{where}"
     if _is_extra_state(key) or not isinstance(target, torch.Tensor):
         return None  # a module's extra state: its module's set_extra_state judges it
