@@ -330,6 +330,8 @@ def value_problem(key: str, src, target, where: str = "") -> str | None:
                 "model (model.state_dict(), save_checkpoint), not high-precision weights. Fix: load it with "
                 "model.load_state_dict / dtensor_fp8.load_checkpoint into a model of its recipe; load_hp_state_dict "
                 "takes high-precision tensors (export_hp_state_dict makes them)")
+    if isinstance(src, torch.Tensor) and src.is_meta:
+        return f"{entry} is a meta tensor: it holds no values (a state dict of a model built on the meta device?)"
     if isinstance(src, torch.Tensor):
         dtype, shape = src.dtype, tuple(src.shape)
     elif isinstance(src, tuple) and len(src) == 2 and isinstance(src[0], torch.dtype):
@@ -366,6 +368,21 @@ def _local_values(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return local.to(device=local_tensor(target).device)
 
 
+def _not_finite_in(local: torch.Tensor, dtypes: list) -> str | None:
+    """What makes ``local`` not finite once written as each of ``dtypes`` (NaN / Inf, or values
+    beyond a narrower dtype's range, which become Inf); None if nothing does."""
+    if local.numel() == 0:
+        return None
+    if not bool(torch.isfinite(local).all()):
+        return "NaN or Inf"
+    narrow = [dt for dt in dtypes if dt.is_floating_point and torch.finfo(dt).max < torch.finfo(local.dtype).max]
+    if narrow:
+        dt = min(narrow, key=lambda d: torch.finfo(d).max)
+        if float(local.abs().amax()) > torch.finfo(dt).max:
+            return f"values beyond {dt}'s range (+-{torch.finfo(dt).max:.4g}): they would become Inf there"
+    return None
+
+
 def _agree(what: str, fn, *args, group):
     from .checkpoint.errors import agree_over  # the checkpoint package imports this module
 
@@ -396,6 +413,8 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
 
     where = where or (lambda key: "")
     targets = hp_targets(model)
+    while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # a framework's wrapper (accelerate's, Lightning's)
     master_of = optimizer.master_of if optimizer is not None else (lambda p: None)
     group = _agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
     missing = [k for k in targets if k not in state_dict]
@@ -430,24 +449,30 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
             staged.extra[key] = src
             continue
         local = _local_values(src, target)
-        if not allow_nonfinite and local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            nonfinite.append(key)
-        q = local_tensor(target)
+        q, master = local_tensor(target), master_of(target)
         if not isinstance(q, QuantizedTensor):
             staged.plain.append((q, local))
+            into = [q.dtype]
         elif q.bytes_pending:
             staged.pending.append((target, local))
+            into = [q.hp_init.dtype]
         else:
             staged.fp8.append((key, target, local.float()))
-            if master_of(target) is not None:
-                staged.masters.append((master_of(target), local))
+            into = [torch.float32]
+            if master is not None:
+                staged.masters.append((master, local))
+                into.append(local_tensor(master).dtype)
+        if not allow_nonfinite and local.is_floating_point():
+            problem = _not_finite_in(local, into)
+            if problem:
+                nonfinite.append(f"entry {key!r}{where(key)} holds {problem}")
 
     def finite() -> None:  # this rank's shards: the finding is shared
         if nonfinite:
             raise CheckpointError(
-                f"{', '.join(f'entry {k!r}{where(k)}' for k in nonfinite[:8])} hold{'s' if len(nonfinite) == 1 else ''} "
-                "NaN or Inf: as masters and FP8 bytes they would poison training (a NaN turns its block or tensor "
-                "to 0x7F). Fix: repair or re-export the weights; or pass allow_nonfinite=True to load them anyway")
+                f"{'; '.join(nonfinite[:8])}{f'; ... ({len(nonfinite)} entries)' if len(nonfinite) > 8 else ''}: as "
+                "masters and FP8 bytes they would poison training (a NaN turns its block or tensor to 0x7F). Fix: "
+                "repair or re-export the weights; or pass allow_nonfinite=True to load them anyway")
 
     _agree(what, finite, group=group)
     return staged, HPLoadResult(missing, unexpected)

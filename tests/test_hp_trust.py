@@ -344,6 +344,11 @@ def _load_state_into_live(edit, strict=True):
         state["0.weight"] = {"rowwise_data": torch.zeros(DIM, DIM, dtype=torch.uint8), "recipe": "{}"}
     elif edit == "extra":
         state["lm_head.weight"] = torch.zeros(4, DIM)
+    elif edit == "overflow":  # finite in float64, Inf once written into the float32 weight
+        state["2.weight"] = state["2.weight"].double()
+        state["2.weight"][1, 1] = 1e300
+    elif edit == "meta":
+        state["2.bias"] = torch.empty(DIM, device="meta")
     before = _live(model, opt)
     error = result = None
     try:
@@ -360,6 +365,8 @@ def _load_state_into_live(edit, strict=True):
     ("broadcast", ["entry '2.weight'", "(256,)", "(256, 256)"]),
     ("fp8-entry", ["entry '0.weight'", "FP8", "load_checkpoint"]),
     ("extra", ["'lm_head.weight'", "strict=False"]),
+    ("overflow", ["entry '2.weight'", "beyond torch.float32's range", "allow_nonfinite=True"]),
+    ("meta", ["entry '2.bias'", "meta tensor"]),
 ])
 def test_load_hp_state_dict_checks_every_value_first(pools, edit, parts):
     _refused(pools[WORLD].run(_load_state_into_live, edit), *parts)
