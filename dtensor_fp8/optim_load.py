@@ -37,6 +37,7 @@ from ._compat import dtensor_local
 from .agreement import _agreement_group, gather_findings
 from .optim_state import MASTER_KEY, SCALING_PREFIXES, localize
 from .placement import local_tensor
+from .state_dict import nonfinite_problem
 
 #: the error class of each kind of finding (several kinds: ``ValueError``)
 _ERRORS = {"missing": KeyError, "nonfinite": FloatingPointError, "layout": ValueError}
@@ -51,7 +52,7 @@ class StagedLoad(NamedTuple):
     hyperparameters: list  #: (outer group, its saved hyper-parameters)
     masters: list  #: (master's local tensor, local value)
     scaling: list  #: (scaling state tensor, value)
-    values: list  #: (what, local value) of every staged tensor, for the finiteness round
+    values: list  #: (what, local value, the dtype it is written as) of every staged tensor, for round 2
 
 
 def _shape(t) -> tuple:
@@ -160,13 +161,13 @@ def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
         for key, value in saved.items():
             what = f"{opt._fqn_of(p)}.{key}"
             if key == MASTER_KEY and p in opt._masters:
-                local = localize(value, ref, what)
+                local, into = localize(value, ref, what), local_tensor(ref).dtype
                 staged.masters.append((local_tensor(ref), local))
             elif p in opt._masters and key.startswith(SCALING_PREFIXES):
                 target = current[p].get(key)
                 if target is None:
                     continue
-                local = local_tensor(value).to(target.device)
+                local, into = local_tensor(value).to(target.device), target.dtype
                 staged.scaling.append((target, local))
             elif not isinstance(value, torch.Tensor):
                 own[key] = value
@@ -176,7 +177,9 @@ def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
                 shaped_like_ref = not isinstance(mine, torch.Tensor) or mine.dim() == 0 or \
                     _shape(mine) == _shape(local_tensor(ref))
                 local = own[key] = localize(value, ref, what) if shaped_like_ref else value
-            staged.values.append((f"the {key} of {opt._fqn_of(p)}", local))
+                # torch's load casts floating state (but ``step``) to its parameter's dtype
+                into = mine.dtype if isinstance(mine, torch.Tensor) else opt._inner_of[p].dtype
+            staged.values.append((f"the {key} of {opt._fqn_of(p)}", local, into))
         if own:
             staged.inner_state[inner_index[opt._inner_of[p]]] = own
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
@@ -189,12 +192,13 @@ def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
 def _nonfinite(staged: StagedLoad, group) -> list:
     """This rank's non-finite values among the staged ones (round 2)."""
     rank = f" (on rank {dist.get_rank(group)})" if group is not None else ""
-    return [("nonfinite", f"{what} holds NaN or Inf{rank}") for what, value in staged.values if not _finite(value)]
-
-
-def _finite(value) -> bool:
-    value = local_tensor(value)
-    return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    found = []
+    for what, value, into in staged.values:
+        value = local_tensor(value)
+        problem = nonfinite_problem(value, [into]) if value.is_floating_point() else None
+        if problem:
+            found.append(("nonfinite", f"{what} holds {problem}{rank}"))
+    return found
 
 
 def _refuse(findings: list) -> None:

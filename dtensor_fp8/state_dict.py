@@ -368,9 +368,13 @@ def _local_values(src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return local.to(device=local_tensor(target).device)
 
 
-def _not_finite_in(local: torch.Tensor, dtypes: list) -> str | None:
+def nonfinite_problem(local: torch.Tensor, dtypes: list) -> str | None:
     """What makes ``local`` not finite once written as each of ``dtypes`` (NaN / Inf, or values
-    beyond a narrower dtype's range, which become Inf); None if nothing does."""
+    beyond a narrower dtype's range, which become Inf); None if nothing does.
+
+    Example:
+        >>> nonfinite_problem(torch.tensor([1e300], dtype=torch.float64), [torch.float32])   # "values beyond ..."
+    """
     if local.numel() == 0:
         return None
     if not bool(torch.isfinite(local).all()):
@@ -463,7 +467,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
                 staged.masters.append((master, local))
                 into.append(local_tensor(master).dtype)
         if not allow_nonfinite and local.is_floating_point():
-            problem = _not_finite_in(local, into)
+            problem = nonfinite_problem(local, into)
             if problem:
                 nonfinite.append(f"entry {key!r}{where(key)} holds {problem}")
 

@@ -86,6 +86,8 @@ CASES = {  # name -> (edit of the saved state, error class, what the message nam
                    FloatingPointError, ["exp_avg_sq of fc2.weight", "NaN or Inf"]),
     "int-master": (lambda s, i: s[i["fc1.weight"]].__setitem__("master", torch.zeros(128, 64, dtype=torch.int32)),
                    ValueError, ["fc1.weight", "master", "torch.int32"]),
+    "overflow-moment": (lambda s, i: s[i["fc1.bias"]].__setitem__("exp_avg", torch.full((128,), 1e300, dtype=torch.float64)),
+                        FloatingPointError, ["exp_avg of fc1.bias", "beyond torch.float32's range"]),
     "nan-scaling": (lambda s, i: s[i["fc2.weight"]]["rowwise_amax_history"].__setitem__(0, float("inf")),
                     FloatingPointError, ["rowwise_amax_history of fc2.weight", "NaN or Inf"]),
 }
@@ -95,8 +97,8 @@ CASES = {  # name -> (edit of the saved state, error class, what the message nam
 def test_a_refused_load_changes_nothing(case):
     """A wrong shape in the last master (the first masters used to be overwritten already), a
     (64,) master that broadcast into a (128, 64) one, a moment of the wrong shape, a NaN Adam
-    moment (it loaded, and the next step wrote NaN FP8 bytes and blamed the gradients), an integer
-    master, an Inf amax history: refused naming the entry, with everything as it was; a step
+    moment (it loaded, and the next step wrote NaN FP8 bytes and blamed the gradients), a float64
+    moment that would be Inf as float32, an integer master, an Inf amax history: refused naming the entry, with everything as it was; a step
     after it works."""
     edit, error, parts = CASES[case]
     state = _saved(edit)
