@@ -116,9 +116,14 @@ def stage_load(opt, state_dict: dict) -> StagedLoad:
     group = _agreement_group(p for g in opt.param_groups for p in g["params"])
     findings, states = _check_layout(opt, state_dict)
     _refuse(gather_findings(findings, group))
-    staged = _stage(opt, state_dict, states)
-    if opt.nonfinite != "ignore":
-        _refuse(gather_findings(_nonfinite(staged, group), group))
+    try:
+        staged = _stage(opt, state_dict, states)
+        findings = _nonfinite(staged, group) if opt.nonfinite != "ignore" else []
+    except Exception as err:  # noqa: BLE001  (this rank's failure, shared so every rank raises alike)
+        staged, findings = None, [("layout", f"staging the values failed on rank "
+                                             f"{dist.get_rank(group) if group is not None else 0}: "
+                                             f"{type(err).__name__}: {err}")]
+    _refuse(gather_findings(findings, group))
     return staged
 
 

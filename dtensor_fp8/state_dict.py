@@ -445,33 +445,39 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
     _agree(what, check, group=group)
     staged = StagedHP([], [], [], [], {})
     nonfinite = []
-    for key, src in state_dict.items():
-        target = targets.get(key)
-        if target is None:
-            continue
-        if _is_extra_state(key) or not isinstance(target, torch.Tensor):
-            staged.extra[key] = src
-            continue
-        local = _local_values(src, target)
-        q, master = local_tensor(target), master_of(target)
-        if not isinstance(q, QuantizedTensor):
-            staged.plain.append((q, local))
-            into = [q.dtype]
-        elif q.bytes_pending:
-            staged.pending.append((target, local))
-            into = [q.hp_init.dtype]
-        else:
-            staged.fp8.append((key, target, local.float()))
-            into = [torch.float32]
-            if master is not None:
-                staged.masters.append((master, local))
-                into.append(local_tensor(master).dtype)
-        if not allow_nonfinite and local.is_floating_point():
-            problem = nonfinite_problem(local, into)
-            if problem:
-                nonfinite.append(f"entry {key!r}{where(key)} holds {problem}")
+    failed: Exception | None = None
+    try:  # a failure here (on one rank) is shared below, not left for the other ranks to wait on
+        for key, src in state_dict.items():
+            target = targets.get(key)
+            if target is None:
+                continue
+            if _is_extra_state(key) or not isinstance(target, torch.Tensor):
+                staged.extra[key] = src
+                continue
+            local = _local_values(src, target)
+            q, master = local_tensor(target), master_of(target)
+            if not isinstance(q, QuantizedTensor):
+                staged.plain.append((q, local))
+                into = [q.dtype]
+            elif q.bytes_pending:
+                staged.pending.append((target, local))
+                into = [q.hp_init.dtype]
+            else:
+                staged.fp8.append((key, target, local.float()))
+                into = [torch.float32]
+                if master is not None:
+                    staged.masters.append((master, local))
+                    into.append(local_tensor(master).dtype)
+            if not allow_nonfinite and local.is_floating_point():
+                problem = nonfinite_problem(local, into)
+                if problem:
+                    nonfinite.append(f"entry {key!r}{where(key)} holds {problem}")
+    except Exception as err:  # noqa: BLE001  (raised on every rank by the agreement below)
+        failed = err
 
     def finite() -> None:  # this rank's shards: the finding is shared
+        if failed is not None:
+            raise failed
         if nonfinite:
             raise CheckpointError(
                 f"{'; '.join(nonfinite[:8])}{f'; ... ({len(nonfinite)} entries)' if len(nonfinite) > 8 else ''}: as "
