@@ -151,6 +151,9 @@ def _load_into_live(source, kind, strict=True, allow_nonfinite=False, recipe=REC
     try:
         if kind == "dcp":
             result = d.load_hp_checkpoint(model, source, optimizer=opt, strict=strict, **options)
+        elif kind == "dcp-reader":  # torch's own reader, which would unpickle .metadata with pickle
+            result = d.load_hp_checkpoint(model, storage_reader=dcp.FileSystemReader(source), optimizer=opt,
+                                          strict=strict, **options)
         else:
             result = d.load_hp_checkpoint(model, storage_reader=dcp.HuggingFaceStorageReader(source), optimizer=opt,
                                           strict=strict, **options)
@@ -190,9 +193,9 @@ def test_a_crafted_value_entry_runs_no_code_and_is_refused(pools, tmp_path):
     results = pools[WORLD].run(_load_into_live, path, "dcp")
     msg = _refused(results, "entry '0.bias'", os.path.join(path, "__0_0.distcp"), "plain value", "not read")
     assert not marker.exists(), msg
-    for strict in (False,):  # strict=False does not read it either
-        results = pools[WORLD].run(_load_into_live, path, "dcp", strict)
-        _refused(results, "entry '0.bias'")
+    for kind, strict in (("dcp", False), ("dcp-reader", True)):  # not read with strict=False, nor through
+        results = pools[WORLD].run(_load_into_live, path, kind, strict)  # torch's FileSystemReader
+        _refused(results, "entry '0.bias'", "not read")
         assert not marker.exists()
     dcp.load({"0.bias": torch.zeros(DIM)}, checkpoint_id=path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     assert marker.exists()  # the payload is live: plain DCP runs it

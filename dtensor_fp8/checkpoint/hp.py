@@ -77,8 +77,8 @@ def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=N
         optimizer: a :class:`MasterWeightOptimizer` whose masters take the same values.
         storage_reader: another reader instead of ``path`` (e.g. ``HuggingFaceStorageReader(dir)``,
             which reads only JSON headers and tensors; its keys must be the model's, as a
-            ``transformers`` model's are in its safetensors). A plain ``FileSystemReader`` is read
-            as its path is, with :class:`SafeFileSystemReader`; any other reader's own
+            ``transformers`` model's are in its safetensors). A plain ``FileSystemReader`` (or a
+            :class:`SafeFileSystemReader`) is read as its path is; any other reader's own
             ``read_metadata`` decides what it runs.
         strict: every entry of the model must be in the checkpoint, and the reverse (errors name
             them); False loads the entries both hold and returns the others.
@@ -99,8 +99,8 @@ def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=N
     """
     if (path is None) == (storage_reader is None):
         raise ValueError("load_hp_checkpoint: pass a checkpoint path or a storage_reader (one of them)")
-    if type(storage_reader) is dcp.FileSystemReader:  # its read_metadata unpickles with plain pickle
-        path, storage_reader = storage_reader.path, None
+    if type(storage_reader) in (dcp.FileSystemReader, SafeFileSystemReader):  # read as its path is (the
+        path, storage_reader = storage_reader.path, None  # plain one unpickles .metadata with pickle)
     name = os.fspath(path) if path is not None else f"{type(storage_reader).__name__}({getattr(storage_reader, 'path', '')})"
     what = f"load_hp_checkpoint({name})"
     targets = hp_targets(model)
