@@ -120,9 +120,8 @@ def stage_load(opt, state_dict: dict) -> StagedLoad:
         staged = _stage(opt, state_dict, states)
         findings = _nonfinite(staged, group) if opt.nonfinite != "ignore" else []
     except Exception as err:  # noqa: BLE001  (this rank's failure, shared so every rank raises alike)
-        staged, findings = None, [("layout", f"staging the values failed on rank "
-                                             f"{dist.get_rank(group) if group is not None else 0}: "
-                                             f"{type(err).__name__}: {err}")]
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        staged, findings = None, [("layout", f"staging the values failed on rank {rank}: {type(err).__name__}: {err}")]
     _refuse(gather_findings(findings, group))
     return staged
 
