@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import groups
 from .formats.base import Recipe, RecipeError
@@ -143,6 +144,12 @@ def _parameter_places(module: nn.Module) -> dict[int, list[str]]:
 def _why_not_quantizable(name: str, weight: torch.Tensor, recipe: Recipe, places: list[str]) -> str | None:
     """Why ``weight`` cannot become an FP8 parameter of ``recipe`` (``None``: it can)."""
     shape = tuple(weight.shape)
+    if isinstance(weight, DTensor):
+        return (f"{name} {shape} is already a DTensor ({tuple(weight.placements)} on {weight.device_mesh}): "
+                "fully_shard or parallelize_module ran before quantize_module_, and an FP8 parameter must be in place "
+                "before its weight is sharded (FSDP2 keeps its own record of each parameter). Fix: call "
+                "quantize_module_ before fully_shard (and dtensor_fp8.parallelize_module after it, for tensor "
+                "parallelism)")
     if len(places) > 1:
         return (f"{name} {shape} is tied: the same parameter is also {', '.join(p for p in places if p != name)}. "
                 "One FP8 parameter cannot serve an embedding lookup or a second layer's own weight; leave this layer "

@@ -44,7 +44,8 @@ every FP8 byte of those weights into 0x7F, for any recipe. ``step()`` therefore 
 gradients first (``nonfinite="raise"`` by default, or ``"skip"``): one max-norm per group of
 gradients, a flag all-reduced over the world so every rank decides alike, and one host read — the
 same synchronization torch's ``GradScaler`` makes every step; ``nonfinite="ignore"`` removes it.
-A master that is not finite cannot be loaded (``load_state_dict`` refuses it, naming it) either.
+A master, moment or scaling state that is not finite cannot be loaded either (``load_state_dict``
+refuses it on every rank, naming it; ``optim_load.py``).
 """
 
 from __future__ import annotations
@@ -57,22 +58,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
-from .formats.base import USAGES
 from .groups import bind_layout_, max_over_, mesh_groups, union_over
 from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
 from .operand_scaling import update_operand_scaling_
-from .optim_state import StateView, as_global, localize
+from .optim_load import stage_load
+from .optim_state import MASTER_KEY, StateView, as_global
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
 
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONFINITE = ("raise", "skip", "ignore")
-#: state keys of an FP8 parameter's scaling state: ``"<usage>_<field>"`` (see the note)
-_SCALING_PREFIXES = tuple(f"{u}_" for u in USAGES)
-#: state key of an FP8 parameter's master weight
-MASTER_KEY = "master"
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -184,20 +181,33 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later)."""
-        super().add_param_group(param_group)
+        """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later).
+
+        High-precision parameters only (an FP8 parameter's master is made at construction). A
+        refused group leaves the optimizer as it was.
+        """
         if self._inner is None:  # inside __init__: the inner optimizer is built with every group
+            super().add_param_group(param_group)
             return
-        group = self.param_groups[-1]
-        for p in group["params"]:
-            if isinstance(local_tensor(p), QuantizedTensor):
+        outer, inner = len(self.param_groups), len(self._inner.param_groups)
+        try:  # torch's checks run inside and append the group: a refusal after that takes it out again
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            fp8 = [p for p in group["params"] if isinstance(local_tensor(p), QuantizedTensor)]
+            if fp8:
                 raise ValueError(
-                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(p)} is an FP8 parameter; its master "
+                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(fp8[0])} is an FP8 parameter; its master "
                     "is made at construction. Pass every FP8 parameter when building the optimizer "
                     "(frozen ones may have requires_grad=False).")
-            self._inner_of[p] = _local_alias(p)
-        self._fqn.update(_fqns(self.model, [group]))
-        self._inner.add_param_group({**group, "params": [self._inner_of[p] for p in group["params"]]})
+            names = _fqns(self.model, [group])
+            aliases = {p: _local_alias(p) for p in group["params"]}
+            self._inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
+        except BaseException:
+            del self.param_groups[outer:]
+            del self._inner.param_groups[inner:]
+            raise
+        self._inner_of.update(aliases)
+        self._fqn.update(names)
         self._bound = optim_follow.snapshot(self)
 
     @torch.no_grad()
@@ -267,11 +277,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         them, FQNs: matched to this optimizer's parameters by position, as torch does).
 
         Masters and scaling states are copied into this optimizer's own tensors (their storage is
-        kept: requantization graphs and DCP plans refer to it); values may be DTensors laid out like
-        the parameters or full tensors (each rank keeps its shard).
+        kept: requantization graphs and DCP plans refer to it); values may be DTensors of the
+        parameters' shapes or full tensors (each rank keeps its shard).
 
-        Under torch.distributed, call it on every rank (as torch's ``set_state_dict`` does): a
-        master holding NaN or Inf on any rank is refused on all of them.
+        All or nothing: every master, moment and scaling state is checked before any is written
+        (a tensor of a floating dtype, the parameter's global shape or this optimizer's own,
+        finite unless built with ``nonfinite="ignore"``; see ``optim_load.py``). Under
+        torch.distributed, call it on every rank (as torch's ``set_state_dict`` does): a problem
+        on any rank (a NaN in one rank's shard) is raised on all of them, naming the entries
+        (``KeyError`` for a missing master, ``FloatingPointError`` for NaN or Inf, ``ValueError``
+        otherwise), with nothing changed.
 
         Args:
             state_dict: from :meth:`state_dict` (or torch's DCP helpers).
@@ -282,49 +297,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"MasterWeightOptimizer.load_state_dict: the state dict has {len(saved_groups)} param "
-                             f"groups, this optimizer {len(self.param_groups)}; build the optimizer with the groups "
-                             "it was saved with")
-        id_map = {}
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"MasterWeightOptimizer.load_state_dict: param group {i} has {len(saved['params'])} "
-                                 f"parameters in the state dict and {len(group['params'])} here")
-            id_map.update(zip(saved["params"], group["params"]))
-        states = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
-        for p in self._masters:  # check everything first: a failing load changes nothing
-            if p.requires_grad and MASTER_KEY not in states.get(p, {}):
-                raise KeyError(f"MasterWeightOptimizer.load_state_dict: no {MASTER_KEY!r} for FP8 parameter "
-                               f"{self._fqn_of(p)}; the state dict was not saved by a MasterWeightOptimizer over "
-                               "this model (to start masters from high precision use dtensor_fp8.load_hp_state_dict)")
-        if self.nonfinite != "ignore":
-            self._refuse_nonfinite_masters(states)
-        inner_state = {}
-        inner_index = {inner: i for i, inner in enumerate(x for g in self._inner.param_groups for x in g["params"])}
-        for p, saved in states.items():
-            ref = self._masters.get(p, p)
-            own = {}
-            for key, value in saved.items():
-                if key == MASTER_KEY and p in self._masters:
-                    local_tensor(ref).copy_(localize(value, ref, f"{self._fqn_of(p)}.{key}"))
-                elif p in self._masters and key.startswith(_SCALING_PREFIXES):
-                    # A recipe's scaling state: loaded where this recipe keeps the same state, else
-                    # dropped (a recipe switch starts the new recipe's scaling afresh).
-                    target = local_tensor(p).param_state.weight_entries().get(key)
-                    if target is not None:
-                        target.copy_(local_tensor(value).to(target.device))
-                else:
-                    own[key] = localize(value, ref, f"{self._fqn_of(p)}.{key}") if isinstance(value, torch.Tensor) else value
-            if own:
-                inner_state[inner_index[self._inner_of[p]]] = own
-        inner_groups = [{**{k: v for k, v in saved.items() if k != "params"},
-                         "params": [inner_index[self._inner_of[p]] for p in group["params"]]}
-                        for saved, group in zip(saved_groups, self.param_groups)]
-        self._inner.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        staged = stage_load(self, state_dict)
+        # Everything is checked; torch's load builds the inner state before it replaces the old
+        # one, and the copies below cannot fail.
+        self._inner.load_state_dict({"state": staged.inner_state, "param_groups": staged.inner_groups})
+        for target, value in staged.masters:
+            target.copy_(value)
+        for target, value in staged.scaling:
+            target.copy_(value)
+        for group, hyperparameters in staged.hyperparameters:
+            group.update(hyperparameters)
         self._sync_hyperparameters()
         self._views.clear()
         self._generation += 1
@@ -337,6 +319,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """FQN -> master of each FP8 parameter."""
         self._follow_model()
         return {self._fqn[p]: m for p, m in self._masters.items()}
+
+    def master_of(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The master of the FP8 parameter ``param`` of the model (None for any other tensor).
+
+        Example:
+            >>> opt.master_of(model.layers[0].w1.weight)
+        """
+        self._follow_model()
+        return self._masters.get(param)
 
     @property
     def scaling_states(self) -> dict[tuple[str, str], dict]:
@@ -376,17 +367,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         mesh dims of the parameters' own meshes (``groups.py``), never the world (under pipeline
         parallelism the other stages step other parameters, at other times)."""
         return mesh_groups(self._inner_of)
-
-    def _refuse_nonfinite_masters(self, states: dict) -> None:
-        """Raise on every rank alike if a master about to be loaded holds NaN or Inf on any rank
-        (each rank sees its own shard: the finding is shared, so no rank loads while another raises)."""
-        bad = sorted(self._fqn_of(p) for p in self._masters
-                     if isinstance(states.get(p, {}).get(MASTER_KEY), torch.Tensor)
-                     and not bool(torch.isfinite(local_tensor(states[p][MASTER_KEY])).all()))
-        bad = union_over(bad, self._agreement_groups())
-        if bad:
-            raise FloatingPointError(f"MasterWeightOptimizer.load_state_dict: the master of {', '.join(bad[:6])} holds "
-                                     "NaN or Inf; load an earlier checkpoint (or pass nonfinite='ignore')")
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
@@ -430,7 +410,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if g is None:
                 inner.grad = None
                 continue
-            g = local_tensor(g)
+            local = local_tensor(g)
+            self._check_gradient_layout(p, g, local, inner)
+            g = local
             if isinstance(g, QuantizedTensor):
                 materializing = True
                 inner.grad = torch.zeros_like(inner)
@@ -438,6 +420,24 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 # Same dtype: FSDP's gradient as it is, no copy.
                 inner.grad = g if g.dtype == inner.dtype else g.to(inner.dtype)
         return materializing
+
+    def _check_gradient_layout(self, p: torch.Tensor, g: torch.Tensor, local: torch.Tensor, inner: torch.Tensor) -> None:
+        """The step works on each rank's shard: a gradient laid out unlike its parameter (a
+        Replicate DTensor set by hand on a sharded one) is named, with nothing stepped."""
+        wrong = None
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and (tuple(g.placements) != tuple(p.placements) or (
+                g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh)):
+            wrong = (f"is a DTensor laid out as {tuple(g.placements)} on {g.device_mesh}, its parameter as "
+                     f"{tuple(p.placements)} on {p.device_mesh}")
+        elif local.shape != inner.shape and not isinstance(local, QuantizedTensor):
+            wrong = f"has shape {tuple(local.shape)} on this rank, its parameter's shard {tuple(inner.shape)}"
+        if wrong is not None:
+            self._drop_inner_gradients()
+            raise ValueError(
+                f"MasterWeightOptimizer.step: the gradient of {self._fqn_of(p)} {wrong}: the optimizer steps each "
+                "rank's shard, so a gradient must be laid out like its parameter (as FSDP's reduce-scatter leaves "
+                "it). Fix: p.grad = grad.redistribute(p.device_mesh, p.placements) (or a gradient of the "
+                "parameter's shape). The step was not taken: nothing changed.")
 
     @torch.no_grad()
     def _materialize_state(self) -> None:

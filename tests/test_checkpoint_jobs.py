@@ -136,6 +136,58 @@ def test_another_hosts_claim_is_judged_by_its_heartbeat(tmp_path, monkeypatch):
     assert any("took over" in w and "its heartbeat stopped" in w for w in caught), caught
 
 
+def _save_with_limits(root, step, beat, stale):
+    """``_save_value`` with the heartbeat and the stale limit set on this rank; returns (error,
+    seconds the save took)."""
+    kept = owner.HEARTBEAT_S, owner.STALE_S
+    owner.HEARTBEAT_S, owner.STALE_S = beat, stale
+    started = time.monotonic()
+    try:
+        error, _ = _save_value(root, step)
+    finally:
+        owner.HEARTBEAT_S, owner.STALE_S = kept
+    return error, time.monotonic() - started
+
+
+@needs_two
+def test_a_heartbeat_from_the_future_is_refused_after_the_stale_limit_on_every_rank(pools, tmp_path):
+    """Another host's claim whose heartbeat is dated an hour ahead (clocks skewed between hosts): the
+    save waits the stale limit, not the hour, then every rank raises the same error naming the
+    file, its date and the clocks; nothing is written. The same claim beating (touched, still in
+    the future) is a live job: refused as such."""
+    root = str(tmp_path / "ckpt")
+    file = _claim_of_another_host(root)
+    ahead = time.time() + 3600
+    os.utime(file, (ahead, ahead))
+    results = pools[WORLD].run(_save_with_limits, root, 1, 0.2, 2.0)
+    msgs = {error for error, _ in results}
+    assert len(msgs) == 1 and None not in msgs, results
+    msg = msgs.pop()
+    dated = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ahead))
+    assert f"{file}, the claim of job 01234567 (pid 4242 on another-host" in msg and f"dated {dated}" in msg, msg
+    assert "after the file system's clock" in msg and "this host's clock reads" in msg, msg
+    assert f"Fix: if that job is gone, delete {file}" in msg and f"[rank 0 of {WORLD}]" in msg, msg
+    assert all(2.0 <= took < 20 for _, took in results), results  # the stale limit, not the hour
+    assert sorted(os.listdir(root)) == [owner.OWNER_FILE]
+    stop = threading.Event()
+
+    def beat():  # a live job on a host whose clock runs an hour ahead
+        while not stop.wait(0.1):
+            now = time.time() + 3600
+            os.utime(file, (now, now))
+
+    beater = threading.Thread(target=beat, daemon=True)
+    beater.start()
+    try:
+        results = pools[WORLD].run(_save_with_limits, root, 1, 0.2, 2.0)
+    finally:
+        stop.set()
+        beater.join()
+    for error, _ in results:
+        assert "is in use by another job" in error and "still beating" in error, error
+    assert sorted(os.listdir(root)) == [owner.OWNER_FILE]
+
+
 @single
 def test_a_job_whose_root_was_taken_over_stops_saving_there(tmp_path):
     """A job paused past the stale limit whose root another job took over: its next save is

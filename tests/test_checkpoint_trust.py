@@ -280,6 +280,35 @@ def test_checksums_that_do_not_cover_every_item_are_refused(pools, tmp_path):
         assert len(set(msgs)) == 1 and problem in msgs[0] and "verify=False" in msgs[0], msgs
 
 
+@needs_two
+@pytest.mark.parametrize("edit,problem", [
+    (100_000, "more than the"),  # larger than what the checkpoint's checksums take
+    (20_000, "nests 20001 levels deep; a checksum file nests 8 at most"),
+    ("bogus-entries", "more than the"),
+], ids=["deep", "deep-within-the-size", "bogus-entries"])
+def test_a_crafted_checksum_file_is_bounded_before_it_is_parsed(pools, tmp_path, edit, problem):
+    """A checksums.json nested 100,000 deep (json's recursion gave a bare RecursionError), one nested
+    20,000 deep within the size the checkpoint's checksums take, and one padded with a million
+    bogus entries (about 600 MB per rank to read): refused on every rank naming the file and the
+    fix, before the file is parsed."""
+    root = str(tmp_path / "ckpt")
+    pools[WORLD].run(_save_small, root)
+    path = d.latest_checkpoint(root)
+    file = os.path.join(path, CHECKSUMS_FILE)
+    with open(file) as f:
+        doc = json.load(f)
+    with open(file, "w") as f:
+        if isinstance(edit, int):
+            f.write('{"algorithm": "x", "entries": ' + "[" * edit + "]" * edit + "}")
+        else:
+            doc["entries"].update({f"bogus{i}": {"checksum": "0" * 64, "nbytes": 1, "file": "__0_0.distcp"}
+                                   for i in range(1_000_000)})
+            json.dump(doc, f)
+    msgs = pools[WORLD].run(_load_msg, path)
+    assert len(set(msgs)) == 1 and file in msgs[0] and problem in msgs[0] and "verify=False" in msgs[0], msgs
+    assert "RecursionError" not in msgs[0], msgs
+
+
 # ---- values that differ between ranks ------------------------------------------------------------------------
 def _save_divergent(root, which):
     from torch.distributed.device_mesh import init_device_mesh
@@ -316,6 +345,38 @@ def test_values_that_differ_between_ranks_are_refused_at_save(pools, tmp_path):
     assert "f'rng_state.{rank}'" in msg and "Nothing was written." in msg, msg
     assert not os.path.exists(root)  # refused before the root was even created
     assert pools[3].run(_save_divergent, root, ()) == [None] * 3
+
+
+def _save_equal_sets(root):
+    """Values equal on every rank whose pickles differ between ranks: a set of strings (string
+    hashes are salted per process) and a set of ints that collide in the set's table, inserted in
+    another order on each rank. Returns (the ints' pickle on this rank, the save's error)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    colliding = [8 * i for i in range(6)]  # one slot of an 8-slot table: iteration order = insertion order
+    ints = set(colliding[rank % len(colliding):] + colliding[:rank % len(colliding)])
+    state = {"x": torch.arange(4.0, device=DEVICE), "tags": {f"tag-{i}" for i in range(50)}, "ints": ints,
+             "nested": {"b": [ints], "a": {"c": ints}}}
+    try:
+        d.save_checkpoint(state, root, 1)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    loaded = {"x": torch.zeros(4, device=DEVICE), "tags": set(), "ints": set(), "nested": {"b": None, "a": {"c": None}}}
+    if error is None:
+        d.load_checkpoint(loaded, d.latest_checkpoint(root))
+    return pickle.dumps(ints), error, (loaded["tags"], loaded["ints"], loaded["nested"])
+
+
+@needs_two
+def test_plain_values_equal_on_every_rank_are_equal_whatever_their_pickles(pools, tmp_path):
+    """A set of strings equal on every rank was refused as "divergent" (its pickle lists the
+    strings in each process's hash order): equal values save, and load back equal."""
+    results = pools[WORLD].run(_save_equal_sets, str(tmp_path / "ckpt"))
+    assert len({ints for ints, _, _ in results}) > 1  # the pickles do differ between ranks
+    for _, error, (tags, ints, nested) in results:
+        assert error is None, error
+        assert tags == {f"tag-{i}" for i in range(50)} and ints == {8 * i for i in range(6)}
+        assert nested == {"b": [ints], "a": {"c": ints}}, nested
 
 
 # ---- bounds before unpickling -------------------------------------------------------------------------------

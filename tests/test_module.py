@@ -143,3 +143,35 @@ def test_delayed_scaling_first_scale_is_seeded_from_the_weight():
     at_one = d.quantize(w, d.DelayedScaling(), scale=1.0)  # TE's initial state, still available
     zero_at_one = (at_one.plane("rowwise").data.view(torch.uint8) & 0x7F == 0).float().mean().item()
     assert zero_at_one > 0.3, zero_at_one
+
+
+def _fully_shard_first():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from dist_utils import DEVICE
+
+    model = _model().to(DEVICE)
+    fully_shard(model, mesh=init_device_mesh(DEVICE, (dist.get_world_size(),)))
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:
+        d.quantize_module_(model, d.RECIPES["mxfp8"])
+    except d.RecipeError as err:
+        after = {n: p for n, p in model.named_parameters()}
+        untouched = all(not isinstance(p.to_local(), d.QuantizedTensor) and torch.equal(p.to_local(), before[n])
+                        for n, p in after.items())
+        return str(err), untouched
+    return None, None
+
+
+def test_fully_shard_before_quantize_module_is_named(pools):
+    """``fully_shard`` then ``quantize_module_``: the weights were replaced by unsharded FP8 tensors
+    and the first forward failed inside FSDP ("'QuantizedTensor' object has no attribute
+    '_local_tensor'", or an error blaming the torch version). Refused naming every weight, the
+    order and the fix; nothing converted."""
+    from dist_utils import WORLD_SIZES
+
+    for msg, untouched in pools[WORLD_SIZES[0]].run(_fully_shard_first):
+        assert msg is not None and untouched, msg
+        assert "0.weight (128, 64) is already a DTensor" in msg and "4.weight" in msg, msg
+        assert "call quantize_module_ before fully_shard" in msg, msg

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -166,9 +167,34 @@ def write_checksums(path: str, checksums: dict[str, dict], sync: bool = True) ->
     os.replace(tmp, final)
 
 
-def read_checksums(path: str) -> dict[str, dict] | None:
+#: the deepest nesting a checksum file may have (its own is 3: the document, ``entries``, an entry)
+MAX_CHECKSUM_DEPTH = 8
+#: bytes a checksum file may hold per stored item beyond the item's key and file name, and in all
+#: beyond those (what ``write_checksums`` writes is about 110 and 150)
+_BYTES_PER_ITEM, _BYTES_BESIDES = 512, 64 << 10
+
+
+def checksum_file_limit(metadata) -> int:
+    """The most bytes the checksum file of a checkpoint with DCP ``metadata`` may take: what
+    :func:`write_checksums` writes for its stored items, with room to spare."""
+    return _BYTES_BESIDES + sum(len(entry_key(index.fqn, index.offset)) + len(str(info.relative_path)) + _BYTES_PER_ITEM
+                                for index, info in metadata.storage_data.items())
+
+
+def _nesting(text: str) -> int:
+    """How deep ``[`` / ``{`` nest in JSON ``text`` (strings skipped), without parsing it."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).encode()
+    if not bare:
+        return 0
+    chars = np.frombuffer(bare, dtype=np.uint8)
+    step = ((chars == ord("[")) | (chars == ord("{"))).astype(np.int64) - ((chars == ord("]")) | (chars == ord("}")))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def read_checksums(path: str, metadata=None) -> dict[str, dict] | None:
     """The entries of ``path``'s :data:`CHECKSUMS_FILE`, or None where there is none (a checkpoint
-    written by plain ``dcp.save``).
+    written by plain ``dcp.save``). Bounded before it is parsed: in size by what the checkpoint's
+    ``metadata`` stores (:func:`checksum_file_limit`), and in depth (:data:`MAX_CHECKSUM_DEPTH`).
 
     Raises:
         ChecksumFileError: the file exists but is not a checksum file this version reads.
@@ -177,11 +203,24 @@ def read_checksums(path: str) -> dict[str, dict] | None:
     if not os.path.exists(file):
         return None
     fix = "restore it from a copy of the checkpoint, or load without verification (verify=False)"
+    limit = checksum_file_limit(metadata) if metadata is not None else None
     try:
+        size = os.path.getsize(file)
+        if limit is not None and size > limit:
+            raise ChecksumFileError(
+                f"{file} is {size} bytes, more than the {limit} the checksums of this checkpoint's "
+                f"{len(metadata.storage_data)} stored items take (entries it does not store? crafted?); {fix}")
         with open(file) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ChecksumFileError(f"{file} is not readable JSON ({type(err).__name__}: {err}); {fix}") from None
+            text = f.read()
+        depth = _nesting(text)
+        if depth > MAX_CHECKSUM_DEPTH:
+            raise ChecksumFileError(f"{file} nests {depth} levels deep; a checksum file nests "
+                                    f"{MAX_CHECKSUM_DEPTH} at most (crafted or damaged); {fix}")
+        doc = json.loads(text)
+    except ChecksumFileError:
+        raise
+    except (OSError, ValueError, RecursionError) as err:
+        raise ChecksumFileError(f"{file} is not readable JSON ({type(err).__name__}: {str(err)[:200]}); {fix}") from None
     if not isinstance(doc, dict) or doc.get("algorithm") != ALGORITHM or not isinstance(doc.get("entries"), dict):
         raise ChecksumFileError(
             f"{file} is not a checksum file of algorithm {ALGORITHM!r} (format {FORMAT_VERSION}): "

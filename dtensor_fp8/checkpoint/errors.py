@@ -135,6 +135,22 @@ def agree(what: str, fn: Callable, *args, group=None, after: str = "",
     return [r for _, r in gathered] if everyone else result
 
 
+def agree_over(what: str, fn: Callable, *args, group, after: str = ""):
+    """:func:`agree` over ``group``, a process group derived from the parameters' meshes
+    (``agreement._agreement_group``); None (no parameter is sharded, each rank holds its own
+    copy): this rank alone, with the same message.
+
+    Example:
+        >>> agree_over("load_hp_checkpoint(ckpt)", check, group=_agreement_group(model.parameters()))
+    """
+    if group is not None:
+        return agree(what, fn, *args, group=group, after=after)
+    try:
+        return fn(*args)
+    except Exception as err:  # noqa: BLE001  (named as agree names it)
+        raise combined_error(what, {0: (type(err).__name__, _message(err), False)}, 1, after) from err
+
+
 def _outcome(outcome: Callable[[], str]) -> str:
     try:
         return outcome()

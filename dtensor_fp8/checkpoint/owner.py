@@ -20,7 +20,11 @@ A save that finds another job's claim decides whether that job is alive:
   :data:`STALE_S` seconds (30): dead;
 - else the save watches the file until it is touched again (the job is alive: the save is
   refused on every rank, naming the job, before anything is written) or its heartbeat grows older
-  than the stale limit (dead), so it waits at most that long.
+  than the stale limit (dead), so it waits at most that long;
+- a heartbeat dated after the file system's clock (hosts' clocks skewed, the file touched by hand)
+  has no known age: watched for the stale limit, it is alive if it beats, and otherwise the save
+  is refused on every rank naming the file, its date and the clocks (a heartbeat an hour ahead
+  would otherwise hold the save for that hour while the other ranks time out).
 
 A dead job's claim is taken over: renamed aside (one rename: of several contenders, one wins),
 checked to be the claim judged dead, removed, and replaced by this job's own; a claim another
@@ -179,16 +183,36 @@ def _dead_because(root: str, file: str, other: dict, mtime: int) -> str | None:
             return f"its process {other['pid']} on this host has ended (the pid is another process's now)"
         return None
     beat, stale = settings()
+    watched = time.monotonic()
     while True:
-        age = (_fs_now(root) - mtime) / 1e9
+        now = _fs_now(root)
+        age = (now - mtime) / 1e9
         if age > stale:
             return f"its heartbeat stopped {age:.1f} s ago (the stale limit is {stale:g} s)"
+        if age < 0 and time.monotonic() - watched > stale:
+            raise _from_the_future(file, other, mtime, now, stale)
         time.sleep(min(beat / 4, 0.5))
         record, now_mtime = _read(file)
         if now_mtime is None:
             return "it released the root"
         if now_mtime != mtime or record.get("job") != other.get("job"):
             return None  # touched (or claimed anew): a live job
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9)) + f".{int(ns % 10**9) // 10**6:03d}"
+
+
+def _from_the_future(file: str, other: dict, mtime: int, fs_now: int, stale: float) -> CheckpointError:
+    """A claim whose heartbeat is dated after the file system's clock and did not beat while
+    watched for the stale limit: its age is unknown, so it is neither alive nor dead."""
+    return CheckpointError(
+        f"{file}, the claim of {describe(other)}, has its heartbeat dated {_when(mtime)}, "
+        f"{(mtime - fs_now) / 1e9:.1f} s after the file system's clock ({_when(fs_now)}; this host's clock reads "
+        f"{_when(time.time_ns())}), and it did not beat in {stale:g} s of watching: its age is unknown (clocks "
+        "skewed between hosts, or the file touched by hand), so this job neither waits for it nor takes the root "
+        f"over. Fix: if that job is gone, delete {file}; otherwise set the hosts' clocks right (NTP), or save into "
+        "another root")
 
 
 def acquire(root: str) -> None:

@@ -267,7 +267,7 @@ def _open(path: str, verify: bool | None) -> _Opened:
         return _Opened(metadata, None)
     check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
     try:
-        checksums = read_checksums(path)
+        checksums = read_checksums(path, metadata)
     except ChecksumFileError as err:
         raise CheckpointError(str(err)) from None
     if checksums is None:
@@ -311,8 +311,10 @@ def _check_fp8_layout(flat: dict, recipes: dict, metadata: Metadata, path: str) 
         md = saved[hp[0]]
         raise CheckpointRecipeError(
             f"{path} holds {_listed(hp)} in high precision ({md.properties.dtype} tensors, e.g. {tuple(md.size)}), the "
-            "model as FP8 weights. Fix: read it into dtensor_fp8.export_hp_state_dict(model) with dcp.load, then "
-            "dtensor_fp8.load_hp_state_dict(model, that, optimizer=opt) (quantizes on load)")
+            "model as FP8 weights. Fix: dtensor_fp8.load_hp_checkpoint(model, path, optimizer=opt) reads it (no code "
+            "run, every value checked) and quantizes on load, where its keys are the model's FQNs; for keys under a "
+            "prefix (saved as {'model': ...}), load_checkpoint it into {'model': dtensor_fp8.export_hp_state_dict(model, "
+            "<its dtype>)} and pass that to dtensor_fp8.load_hp_state_dict(model, state['model'], optimizer=opt)")
     fp8_in_ckpt = [k for k, v in flat.items() if isinstance(v, torch.Tensor) and f"{k}.{RECIPE_KEY}" in saved]
     if fp8_in_ckpt:
         raise CheckpointRecipeError(

@@ -210,10 +210,41 @@ def replica_digests(state_dict: dict) -> dict[str, str]:
             elif isinstance(value, torch.Tensor):
                 out[key] = _tensor_digest(value)
             else:
-                out[key] = hashlib.sha256(pickle.dumps(value, protocol=4)).hexdigest()
+                out[key] = _value_digest(value)
         except Exception:  # noqa: BLE001  (not picklable / not plain bytes: DCP's own save names it)
             continue
     return out
+
+
+def _canonical(value, depth: int = 0) -> bytes:
+    """Bytes equal for values equal by ``==`` of the same kinds: sets and dicts in a sorted order
+    (a set of strings iterates, and pickles, in another order in each process: string hashes are
+    salted per process), other plain values by type and ``repr``, anything else pickled."""
+    if depth > MAX_VALUE_DEPTH:
+        raise RecursionError("too deep to compare by value")
+    kind = type(value).__name__.encode()
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return kind + b":" + repr(value).encode() + b";"
+    if isinstance(value, torch.Tensor):
+        return kind + b":" + _tensor_digest(value).encode() + b";"
+    if isinstance(value, dict):
+        items = sorted(_canonical(k, depth + 1) + b"=" + _canonical(v, depth + 1) for k, v in value.items())
+        return kind + b"{" + b"".join(items) + b"}"
+    if isinstance(value, (set, frozenset)):
+        return kind + b"{" + b"".join(sorted(_canonical(v, depth + 1) for v in value)) + b"}"
+    if isinstance(value, (list, tuple)):
+        return kind + b"[" + b"".join(_canonical(v, depth + 1) for v in value) + b"]"
+    return kind + b"!" + pickle.dumps(value, protocol=4) + b";"
+
+
+def _value_digest(value) -> str:
+    """A digest of a plain value, equal on two ranks exactly when their values are equal (see
+    :func:`_canonical`); a value nested too deep to walk is compared by its pickle."""
+    try:
+        data = _canonical(value)
+    except RecursionError:
+        data = pickle.dumps(value, protocol=4)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _ranks(ranks: list[int]) -> str:
