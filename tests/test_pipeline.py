@@ -192,7 +192,8 @@ def _build_stages(layout: Layout, recipe, mesh):
         keep = {str(i) for i in range(starts[s], starts[s] + layout.blocks[s])}
         for key in [k for k in module.layers if k not in keep]:
             del module.layers[key]
-        d.quantize_module_(module, recipe)
+        if recipe is not None:
+            d.quantize_module_(module, recipe)
         if layout.tp > 1:
             for block in module.layers.values():
                 d.parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -204,54 +205,87 @@ def _build_stages(layout: Layout, recipe, mesh):
     return stage_ids, modules
 
 
+class Pipeline(NamedTuple):
+    """This rank's part of a pipeline: its stages' modules, their optimizers and the schedule."""
+
+    layout: Layout
+    mesh: object
+    stage_ids: list
+    modules: list
+    opts: list
+    schedule: object
+    dp_rank: int
+    reporting: bool  # the first rank of its stage's dp x tp mesh
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last(self) -> bool:
+        return len(self.layout.blocks) - 1 in self.stage_ids
+
+
+def build_pipeline(layout: Layout, schedule_name: str, recipe) -> Pipeline:
+    """The stages of ``layout`` this rank holds (``recipe``: None keeps the model in fp32 with a plain
+    torch optimizer), a ``MasterWeightOptimizer`` per stage and the schedule."""
+    dims = [("pp", layout.pp)] + [(n, s) for n, s in (("dp", layout.dp), ("tp", layout.tp)) if s > 1 or layout.tp > 1]
+    mesh = init_device_mesh(DEVICE, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    assert mesh.size() == torch.distributed.get_world_size()
+    stage_ids, modules = _build_stages(layout, recipe, mesh)
+    n_stages = len(layout.blocks)
+
+    def example(requires_grad):  # static metadata: a micro-batch's activation
+        return torch.empty(MB_ROWS, layout.dim, device=DEVICE, requires_grad=requires_grad)
+
+    # every stage's input but the first's carries a gradient
+    stages = [PipelineStage(m, s, n_stages, torch.device(DEVICE), input_args=(example(s > 0),),
+                            output_args=(example(True),), group=mesh["pp"].get_group())
+              for s, m in zip(stage_ids, modules)]
+    schedule = SCHEDULES[schedule_name](stages if layout.stages_per_rank > 1 else stages[0], N_MB, loss_fn=_loss)
+    if recipe is None:
+        opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in modules]
+    else:
+        opts = [d.MasterWeightOptimizer(m, torch.optim.SGD, lr=LR, momentum=MOMENTUM) for m in modules]
+    dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0
+    reporting = all(mesh[n].get_local_rank() == 0 for n in mesh.mesh_dim_names if n != "pp")
+    return Pipeline(layout, mesh, stage_ids, modules, opts, schedule, dp_rank, reporting)
+
+
+def pipeline_step(run: Pipeline, step: int) -> list[float]:
+    """One training step: the schedule over the step's batch (this dp rank's slice), then every
+    stage's optimizer. Returns the micro-batches' losses (on the ranks of the last stage)."""
+    xs, targets = _batch(step, run.layout)
+    losses: list = []
+    args = (xs[run.dp_rank],) if run.first else ()
+    kwargs = {"target": targets[run.dp_rank], "losses": losses} if run.last else {}
+    run.schedule.step(*args, **kwargs)
+    for opt in run.opts:
+        opt.step()
+        opt.zero_grad()
+    return [float(v.detach()) for v in losses]
+
+
 def _train_pipeline(layout_name: str, schedule_name: str, recipe_name: str):
     with _one_thread():
         return _train_pipeline_stages(layout_name, schedule_name, recipe_name)
 
 
 def _train_pipeline_stages(layout_name: str, schedule_name: str, recipe_name: str):
-    layout = _layout(layout_name, schedule_name)
     recipe, fp8_gemms = RECIPES[recipe_name]
-    dims = [("pp", layout.pp)] + [(n, s) for n, s in (("dp", layout.dp), ("tp", layout.tp)) if s > 1 or layout.tp > 1]
-    mesh = init_device_mesh(DEVICE, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-    assert mesh.size() == torch.distributed.get_world_size()
-    stage_ids, modules = _build_stages(layout, recipe, mesh)
-    n_stages = len(layout.blocks)
-    # Static metadata: a micro-batch's activation; the input of every stage but the first carries a gradient
-    def example(requires_grad):
-        return torch.empty(MB_ROWS, layout.dim, device=DEVICE, requires_grad=requires_grad)
-
-    stages = [PipelineStage(m, s, n_stages, torch.device(DEVICE), input_args=(example(s > 0),),
-                            output_args=(example(True),), group=mesh["pp"].get_group())
-              for s, m in zip(stage_ids, modules)]
-    cls = SCHEDULES[schedule_name]
-    schedule = cls(stages if layout.stages_per_rank > 1 else stages[0], N_MB, loss_fn=_loss)
-    opts = [d.MasterWeightOptimizer(m, torch.optim.SGD, lr=LR, momentum=MOMENTUM) for m in modules]
-    dp_rank = mesh["dp"].get_local_rank() if "dp" in mesh.mesh_dim_names else 0
-    reporting = all(mesh[n].get_local_rank() == 0 for n in mesh.mesh_dim_names if n != "pp")
-    first, last = 0 in stage_ids, n_stages - 1 in stage_ids
+    run = build_pipeline(_layout(layout_name, schedule_name), schedule_name, recipe)
     steps, losses = [], []
     with gemm.fp8_gemms("on" if fp8_gemms else "off"), gemm.recording() as log:
         for step in range(STEPS):
-            xs, targets = _batch(step, layout)
-            mb_losses: list = []
-            args = (xs[dp_rank],) if first else ()
-            kwargs = {"target": targets[dp_rank], "losses": mb_losses} if last else {}
-            schedule.step(*args, **kwargs)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            losses.append([float(v.detach()) for v in mb_losses])
-            if reporting:
-                snap = {}
-                for m, opt in zip(modules, opts):
-                    snap.update(_snapshot(m, opt))
+            losses.append(pipeline_step(run, step))
+            # the gathers are collectives over each stage's mesh: every rank takes part
+            snap = {}
+            for m, opt in zip(run.modules, run.opts):
+                snap.update(_snapshot(m, opt))
+            if run.reporting:
                 steps.append(snap)
-            else:  # the gathers are collectives over the stage's mesh
-                for m, opt in zip(modules, opts):
-                    _snapshot(m, opt)
-    return {"stage_ids": stage_ids, "dp_rank": dp_rank, "reporting": reporting, "steps": steps, "losses": losses,
-            "fp8_gemms_run": len(log)}
+    return {"stage_ids": run.stage_ids, "dp_rank": run.dp_rank, "reporting": run.reporting, "steps": steps,
+            "losses": losses, "fp8_gemms_run": len(log)}
 
 
 # ---- the one-process run ---------------------------------------------------------------------------
