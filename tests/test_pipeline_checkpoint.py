@@ -113,7 +113,7 @@ def _resumed(case: str, recipe_name: str, root: str):
             run = build_pipeline(_layout(layout_name, schedule), schedule, recipe)
             state = {**_state_dict(run, form), "step": 0}
             if path == "save_checkpoint":
-                loaded = d.load_checkpoint(state, d.latest_checkpoint(root))
+                loaded = d.load_checkpoint(state, d.latest_checkpoint(root), coverage="group")
                 assert loaded == ([], [])
             else:
                 dcp.load(state, checkpoint_id=f"{root}/plain")

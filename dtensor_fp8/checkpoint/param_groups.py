@@ -19,8 +19,8 @@ use it only to match groups to parameters (by position, or ``set_optimizer_state
 it must be the loading optimizer's own. Under pipeline parallelism it legitimately differs between
 stages (each lists its own parameters) while DCP stores one copy of a plain value for all ranks.
 So :func:`save_checkpoint` does not require it to be equal on every rank, and
-:func:`load_checkpoint` keeps the state dict's own list (an entry it asks for, never overwritten by
-the stored copy, which is one rank's). torchtitan sidesteps the question by saving optimizers with
+:func:`load_checkpoint` keeps the state dict's own list (an entry it asks for, whose stored copy,
+one rank's, is read and checked like any plain value but never written into the state dict). torchtitan sidesteps the question by saving optimizers with
 ``StateDictOptions(flatten_optimizer_state_dict=True)`` (hyper-parameters keyed by parameter FQN,
 no lists), which works here too and is what a plain ``dcp.load`` needs under pipeline parallelism.
 

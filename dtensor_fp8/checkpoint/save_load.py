@@ -267,13 +267,15 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverag
     agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, **kept)
     nobody = (agree(what, asked_by_no_rank, opened.metadata.state_dict_metadata, flat.keys(), process_group, **kept)
               if coverage == "group" else None)
-    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, nobody, kept_lists, process_group, **kept)
+    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, nobody, process_group, **kept)
     agree(what, _dcp_load, plan.copies, path, opened, process_group, **kept)
     agree(what, _check_loaded, flat, plan, opened, path, allow_nonfinite, **kept)
     # Everything is read, verified and checked: only now is the live state written (no step below
     # can fail for a reason of the checkpoint's: same shapes, dtypes and placements, checked kinds).
     with torch.no_grad():
         for key, value in plan.copies.items():
+            if key in kept_lists:  # read and checked like any value, but the live optimizer's list stays
+                continue
             if key in plan.blobs or not isinstance(value, torch.Tensor):
                 # a module's opaque extra state (replaced, whatever its length was), or a plain value
                 set_state_dict_element(state_dict, mappings[key], value)
@@ -352,11 +354,10 @@ class _Plan(NamedTuple):
 
 
 def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict: bool, nobody: list | None,
-                   kept: set, group) -> _Plan:
+                   group) -> _Plan:
     """Recipes first (a small collective read on every rank), then presence, kind, shape and dtype of
     every entry, before any tensor is read. ``nobody``: the entries no rank asks for
-    (``coverage="group"``), else None (each rank must ask for all); ``kept``: entries asked for but
-    not read (param groups' parameter lists)."""
+    (``coverage="group"``), else None (each rank must ask for all)."""
     saved = opened.metadata.state_dict_metadata
     present_recipes = {k: None for k in recipes if k in saved}
     # on every rank, even with no recipes: this is a collective
@@ -389,7 +390,7 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
     copies, blobs = {}, set()
     for key, value in flat.items():
         meta = saved.get(key)
-        if meta is None or key in kept:
+        if meta is None:
             continue
         is_tensor = isinstance(meta, TensorStorageMetadata)
         if isinstance(value, torch.Tensor) != is_tensor:
