@@ -118,9 +118,11 @@ LAYOUTS = {
     "pp_fsdp_tp": _tp_layout(),
 }
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-#: (layout, schedule) pairs run: interleaved with two one-block stages per rank where it adds a case
+#: (layout, schedule) pairs run: every schedule where the stages are equal, GPipe for unequal stages (what
+#: differs there is which weights each stage's scaling collectives carry, not the order of micro-batches),
+#: interleaved (two one-block stages per rank) without TP
 CASES = [(layout, schedule) for layout in LAYOUTS for schedule in SCHEDULES
-         if schedule != "interleaved" or layout in ("pp", "pp_fsdp", "pp_fsdp_reshard")]
+         if (layout != "pp_fsdp_unequal" or schedule == "gpipe") and (layout != "pp_fsdp_tp" or schedule != "interleaved")]
 
 
 def _layout(name: str, schedule: str) -> Layout:

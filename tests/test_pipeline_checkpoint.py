@@ -192,3 +192,8 @@ def test_entries_no_stage_asks_for_are_still_refused(pools, tmp_path):
         # strict=False loads the rest and returns exactly block 4's entries (model and optimizer)
         assert said["lenient"].unexpected_keys == said["block 4 saved"], (said["lenient"], said["block 4 saved"])
         assert said["lenient"].missing_keys == []
+
+
+def test_coverage_names_its_values():
+    with pytest.raises(ValueError, match="coverage='stages'.*'rank'.*'group'"):
+        d.load_checkpoint({}, "unused", coverage="stages")
