@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import NamedTuple
 
 import pytest
@@ -133,13 +134,13 @@ def _layout(name: str, schedule: str) -> Layout:
     return layout
 
 
-def _batch(step: int, layout: Layout):
+def _batch(step: int, dp: int, dim: int):
     """The step's global batch, as ``dp`` slices of ``N_MB`` micro-batches each."""
     g = torch.Generator().manual_seed(1000 + step)
-    rows = layout.dp * N_MB * MB_ROWS
-    x = torch.randn(rows, layout.dim, generator=g)
-    target = torch.randn(rows, layout.dim, generator=g)
-    return x.to(DEVICE).chunk(layout.dp), target.to(DEVICE).chunk(layout.dp)
+    rows = dp * N_MB * MB_ROWS
+    x = torch.randn(rows, dim, generator=g)
+    target = torch.randn(rows, dim, generator=g)
+    return x.to(DEVICE).chunk(dp), target.to(DEVICE).chunk(dp)
 
 
 def _loss(out, target):
@@ -257,7 +258,7 @@ def build_pipeline(layout: Layout, schedule_name: str, recipe) -> Pipeline:
 def pipeline_step(run: Pipeline, step: int) -> list[float]:
     """One training step: the schedule over the step's batch (this dp rank's slice), then every
     stage's optimizer. Returns the micro-batches' losses (on the ranks of the last stage)."""
-    xs, targets = _batch(step, run.layout)
+    xs, targets = _batch(step, run.layout.dp, run.layout.dim)
     losses: list = []
     args = (xs[run.dp_rank],) if run.first else ()
     kwargs = {"target": targets[run.dp_rank], "losses": losses} if run.last else {}
@@ -291,22 +292,23 @@ def _train_pipeline_stages(layout_name: str, schedule_name: str, recipe_name: st
 
 
 # ---- the one-process run ---------------------------------------------------------------------------
-def _train_one_process(layout: Layout, recipe_name: str, fp8_gemms: bool):
+@functools.lru_cache(maxsize=3)  # the layouts of one recipe share it (the tests run recipe by recipe)
+def _train_one_process(n_blocks: int, dim: int, dp: int, recipe_name: str, fp8_gemms: bool):
     """The same model on one process: the same global batch in the same micro-batches, each
     micro-batch's mean loss backpropagated, the summed gradients divided by the micro-batch count
     (what the schedule's ``scale_grads`` and FSDP's averaging over dp do)."""
     with _one_thread():
-        return _train_one_process_steps(layout, recipe_name, fp8_gemms)
+        return _train_one_process_steps(n_blocks, dim, dp, recipe_name, fp8_gemms)
 
 
-def _train_one_process_steps(layout: Layout, recipe_name: str, fp8_gemms: bool):
+def _train_one_process_steps(n_blocks: int, dim: int, dp: int, recipe_name: str, fp8_gemms: bool):
     recipe = RECIPES[recipe_name][0]
-    model = d.quantize_module_(_hp_model(sum(layout.blocks), layout.dim), recipe)
+    model = d.quantize_module_(_hp_model(n_blocks, dim), recipe)
     opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=LR, momentum=MOMENTUM)
     steps, losses = [], []
     with gemm.fp8_gemms("on" if fp8_gemms else "off"):
         for step in range(STEPS):
-            xs, targets = _batch(step, layout)
+            xs, targets = _batch(step, dp, dim)
             step_losses = []
             for x, target in zip(xs, targets):
                 for xm, tm in zip(x.chunk(N_MB), target.chunk(N_MB)):
@@ -314,7 +316,7 @@ def _train_one_process_steps(layout: Layout, recipe_name: str, fp8_gemms: bool):
                     loss.backward()
                     step_losses.append(float(loss.detach()))
             for p in model.parameters():
-                p.grad.div_(N_MB * layout.dp)
+                p.grad.div_(N_MB * dp)
             opt.step()
             opt.zero_grad()
             steps.append(_snapshot(model, opt))
@@ -402,8 +404,8 @@ def _check_against_one_process(layout: Layout, recipe_name: str, results: list, 
             assert r["fp8_gemms_run"] == want, (r["stage_ids"], r["fp8_gemms_run"], want)
 
 
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
 @pytest.mark.parametrize("layout_name,schedule_name", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
 def test_pipeline_trains_like_one_process(pools, layout_name, schedule_name, recipe_name):
     layout = _layout(layout_name, schedule_name)
     if layout.world not in WORLD_SIZES:
@@ -414,5 +416,6 @@ def test_pipeline_trains_like_one_process(pools, layout_name, schedule_name, rec
     emulated = RECIPES[recipe_name][1] and layout.tp > 1
     if emulated:
         assert all(r["fp8_gemms_run"] == 0 for r in results)
-    reference = _train_one_process(layout, recipe_name, RECIPES[recipe_name][1] and not emulated)
+    reference = _train_one_process(sum(layout.blocks), layout.dim, layout.dp, recipe_name,
+                                   RECIPES[recipe_name][1] and not emulated)
     _check_against_one_process(layout, recipe_name, results, reference)
