@@ -1,4 +1,5 @@
-"""Param-group keys that a checkpoint holds and the state dict it loads into lacks.
+"""Param groups in checkpoints: keys a checkpoint holds and the state dict it loads into lacks, and
+the parameter lists that stay the live optimizer's.
 
 [Note: a param group is an open dict]
 torch's ``Optimizer.load_state_dict`` takes the saved param groups whole: a group is an open dict,
@@ -10,6 +11,18 @@ has no such key, so its state dict does not ask for it. :func:`load_checkpoint` 
 when that group exists and lacks ``key``, as torch would; anything else the state dict does not
 ask for (a tensor, a group it does not have, a nested value, an entry of the model or of the
 optimizer's ``state``) is still refused, and missing entries are refused as before.
+
+[Note: a param group's parameter list is the live optimizer's]
+``param_groups[i]["params"]`` names the parameters of group ``i`` (ids in torch's format, FQNs in
+``get_state_dict``'s). It is the structure of the optimizer being loaded, not state: torch's loaders
+use it only to match groups to parameters (by position, or ``set_optimizer_state_dict`` by FQN), so
+it must be the loading optimizer's own. Under pipeline parallelism it legitimately differs between
+stages (each lists its own parameters) while DCP stores one copy of a plain value for all ranks.
+So :func:`save_checkpoint` does not require it to be equal on every rank, and
+:func:`load_checkpoint` keeps the state dict's own list (an entry it asks for, whose stored copy,
+one rank's, is read and checked like any plain value but never written into the state dict). torchtitan sidesteps the question by saving optimizers with
+``StateDictOptions(flatten_optimizer_state_dict=True)`` (hyper-parameters keyed by parameter FQN,
+no lists), which works here too and is what a plain ``dcp.load`` needs under pipeline parallelism.
 
 An optimizer state dict is recognized by its structure, wherever it sits in the state dict: torch's
 format (``Optimizer.state_dict()`` and ``torch.distributed.checkpoint.state_dict.get_state_dict``),
@@ -52,6 +65,17 @@ def param_groups_in(state_dict: Mapping, path: tuple = ()) -> dict[str, tuple[tu
         if isinstance(value, (Mapping, list)):
             found.update(param_groups_in(value, (*path, key)))
     return found
+
+
+def param_lists(state_dict: Mapping) -> set[str]:
+    """The flattened keys of every param group's parameter list in ``state_dict``
+    (``"optim.param_groups.0.params"``): the live optimizer's own (see the note).
+
+    Example:
+        >>> param_lists({"optim": opt.state_dict(), "step": 3})
+        {'optim.param_groups.0.params'}
+    """
+    return {prefix + _PARAMS for prefix in param_groups_in(state_dict)}
 
 
 def open_param_group_keys(state_dict: Mapping, flat: Mapping, saved: Mapping) -> dict[str, tuple]:

@@ -42,7 +42,8 @@ from .dirs import (
     step_dir_name,
 )
 from .errors import CheckpointError, CheckpointRecipeError, agree, os_error_text
-from .param_groups import open_param_group_keys
+from .coverage import asked_by_no_rank, check_coverage_mode
+from .param_groups import open_param_group_keys, param_lists
 from .values import check_value, refuse_divergence, replica_digests
 
 #: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
@@ -78,8 +79,12 @@ def save_checkpoint(state_dict: dict, root: str, step: int, *, process_group=Non
 
     Refused on every rank before anything is written: masters holding NaN or Inf (below), a plain
     value, a tensor that is not sharded or a replicated DTensor chunk that differs between ranks
-    (DCP would store one rank's copy for all; ``checkpoint/values.py``), and a root another live
-    job saves into (``checkpoint/owner.py``: the first save claims the root for this job).
+    (DCP would store one rank's copy for all; ``checkpoint/values.py``; a param group's parameter
+    list excepted, which pipeline stages hold each their own: ``param_groups.py``), and a root
+    another live job saves into (``checkpoint/owner.py``: the first save claims the root for this job).
+
+    Under pipeline parallelism every stage saves its own entries into the same ``root`` and
+    ``step`` (one collective save; load each stage's part with ``coverage="group"``).
 
     Args:
         state_dict: e.g. ``{"model": model_sd, "optim": optim_sd, "step": step}`` (tensors, DTensors
@@ -136,7 +141,12 @@ def _check_before_save(state_dict: dict, allow_nonfinite: bool, group) -> dict:
     if not allow_nonfinite:
         _refuse_nonfinite_masters(state_dict)
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    return replica_digests(state_dict) if several else {}
+    if not several:
+        return {}
+    digests = replica_digests(state_dict)
+    for key in param_lists(state_dict):  # each optimizer's own (pipeline stages): see param_groups.py's note
+        digests.pop(key, None)
+    return digests
 
 
 #: the state key of an FP8 parameter's master in ``MasterWeightOptimizer``'s state
@@ -189,7 +199,7 @@ class _Opened(NamedTuple):
     checksums: dict | None
 
 
-def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify: bool = True,
+def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverage: str = "rank", verify: bool = True,
                     allow_nonfinite: bool = False, process_group=None) -> LoadResult:
     """``dcp.load`` into ``state_dict`` (in place), safely and all-or-nothing.
 
@@ -210,10 +220,17 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
         state_dict: the state dict to fill (its tensors give the target sharding, its plain values
             the kinds the loaded ones must have).
         path: a checkpoint directory (e.g. :func:`latest_checkpoint`).
-        strict: every entry of the checkpoint must be asked for by ``state_dict`` and the reverse
-            (errors name the extra / missing entries), except a param group's plain values, which
-            load into the group as torch's optimizers take them (``param_groups.py``). False loads
-            the entries both hold and returns the others; an FP8 weight still loads whole or not at all.
+        strict: every entry of the checkpoint must be asked for (see ``coverage``) and every entry
+            ``state_dict`` asks for must be in the checkpoint (errors name the extra / missing
+            entries), except a param group's plain values, which load into the group as torch's
+            optimizers take them, and its parameter list, which stays the state dict's own
+            (``param_groups.py``). False loads the entries both hold and returns the others; an FP8
+            weight still loads whole or not at all.
+        coverage: who must ask for every entry of the checkpoint (``checkpoint/coverage.py``):
+            ``"rank"`` (default) each rank's ``state_dict`` (one model on data-parallel ranks);
+            ``"group"`` the ranks of ``process_group`` together, each asking for its own part (pipeline
+            stages: each loads its stage's entries of the checkpoint all stages saved; an entry no
+            rank asks for is still refused, or returned as unexpected with ``strict=False``).
         verify: check the checksums ``save_checkpoint`` stored (default): a checkpoint without
             ``checksums.json``, or with one that does not cover every stored item, is refused.
             False loads without verification, knowingly (checkpoints of plain ``dcp.save`` or
@@ -232,7 +249,10 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
         >>> state = {"model": model_sd, "optim": optim_sd, "step": 0}
         >>> dtensor_fp8.load_checkpoint(state, dtensor_fp8.latest_checkpoint("ckpt"))
         >>> set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        >>> # pipeline parallelism: each stage's own state dict, its part of the one checkpoint
+        >>> dtensor_fp8.load_checkpoint(stage_state, dtensor_fp8.latest_checkpoint("ckpt"), coverage="group")
     """
+    check_coverage_mode(coverage)
     path = os.fspath(path)
     what = f"load_checkpoint({path})"
     untouched = " The state dict was not modified."
@@ -243,14 +263,19 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, verify:
     taken = open_param_group_keys(state_dict, flat, opened.metadata.state_dict_metadata)  # plain param-group values
     flat.update(dict.fromkeys(taken))  # asked for from here on (None: DCP reads what was saved)
     mappings.update(taken)
+    kept_lists = param_lists(state_dict) & flat.keys()  # the live optimizers' own (param_groups.py)
     agree(what, _check_fp8_layout, flat, recipes, opened.metadata, path, **kept)
-    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, process_group, **kept)
+    nobody = (agree(what, asked_by_no_rank, opened.metadata.state_dict_metadata, flat.keys(), process_group, **kept)
+              if coverage == "group" else None)
+    plan = agree(what, _check_entries, flat, recipes, opened, path, strict, nobody, process_group, **kept)
     agree(what, _dcp_load, plan.copies, path, opened, process_group, **kept)
     agree(what, _check_loaded, flat, plan, opened, path, allow_nonfinite, **kept)
     # Everything is read, verified and checked: only now is the live state written (no step below
     # can fail for a reason of the checkpoint's: same shapes, dtypes and placements, checked kinds).
     with torch.no_grad():
         for key, value in plan.copies.items():
+            if key in kept_lists:  # read and checked like any value, but the live optimizer's list stays
+                continue
             if key in plan.blobs or not isinstance(value, torch.Tensor):
                 # a module's opaque extra state (replaced, whatever its length was), or a plain value
                 set_state_dict_element(state_dict, mappings[key], value)
@@ -330,9 +355,11 @@ class _Plan(NamedTuple):
     unexpected: list
 
 
-def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict: bool, group) -> _Plan:
+def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict: bool, nobody: list | None,
+                   group) -> _Plan:
     """Recipes first (a small collective read on every rank), then presence, kind, shape and dtype of
-    every entry, before any tensor is read."""
+    every entry, before any tensor is read. ``nobody``: the entries no rank asks for
+    (``coverage="group"``), else None (each rank must ask for all)."""
     saved = opened.metadata.state_dict_metadata
     present_recipes = {k: None for k in recipes if k in saved}
     # on every rank, even with no recipes: this is a collective
@@ -346,7 +373,7 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
             raise CheckpointRecipeError(str(err)) from None
 
     missing = [k for k in flat if k not in saved]
-    unexpected = sorted(k for k in saved if k not in flat)
+    unexpected = sorted(k for k in saved if k not in flat) if nobody is None else nobody
     groups = {k.rsplit(".", 1)[0] for k in recipes}
     # weights whose recipe entry is saved but some plane is not (a weight missing whole is just missing)
     # (an operand scaling state is not a plane: checkpoints written before it was saved lack it, see
@@ -360,7 +387,7 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
             f"{_listed(lacking)} in the checkpoint (another recipe's planes? a checkpoint edited by hand?). An FP8 "
             "weight loads whole or not at all. Fix: build the model with the recipe and usages it was saved with")
     if strict and (missing or unexpected):
-        raise CheckpointError(_mismatch_message(path, missing, unexpected, saved, len(flat)))
+        raise CheckpointError(_mismatch_message(path, missing, unexpected, saved, len(flat), nobody is not None))
 
     copies, blobs = {}, set()
     for key, value in flat.items():
@@ -408,12 +435,19 @@ def _numel(size) -> int:
     return n
 
 
-def _mismatch_message(path: str, missing: list, unexpected: list, saved: dict, asked: int) -> str:
-    parts = [f"{path} does not match the state dict ({len(saved)} entries saved, {asked} asked for)"]
-    if unexpected:
+def _mismatch_message(path: str, missing: list, unexpected: list, saved: dict, asked: int, by_group: bool) -> str:
+    parts = [f"{path} does not match the state dict ({len(saved)} entries saved, {asked} asked for"
+             f"{' by this rank' if by_group else ''})"]
+    if unexpected and by_group:
+        parts.append(f"the checkpoint holds {len(unexpected)} entr{'ies' if len(unexpected) > 1 else 'y'} no rank's "
+                     f"state dict asks for: {_listed(unexpected)}; loading would drop them silently (a model "
+                     "shallower than the one saved? a state dict without the optimizer or a value?)")
+    elif unexpected:
         parts.append(f"the checkpoint holds {len(unexpected)} entr{'ies' if len(unexpected) > 1 else 'y'} the state "
                      f"dict does not ask for: {_listed(unexpected)}; loading would drop them silently (a model "
-                     "shallower than the one saved? a state dict without the optimizer or a value?)")
+                     "shallower than the one saved? a state dict without the optimizer or a value? a pipeline "
+                     "stage loading its part of a checkpoint every stage saved: pass coverage=\"group\", which "
+                     "refuses only entries no rank asks for)")
     if missing:
         parts.append(f"the state dict asks for {len(missing)} entr{'ies' if len(missing) > 1 else 'y'} the "
                      f"checkpoint lacks: {_listed(missing)} (a model deeper than the one saved? other names?)")
