@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),
     "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
+    "torchtitan": ("dtensor_fp8.benchmarks.torchtitan", "torchtitan's Llama3 debug model: all-gather bytes / step and peak memory, bf16 vs torchao float8 vs ours"),
     "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }
 
