@@ -181,22 +181,42 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._bound = optim_follow.snapshot(self)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """torch's ``param_groups``. Read after a framework replaced their parameters (accelerate's
+        ``prepare``), they already hold the model's current parameters (optim_follow.py)."""
+        if "_bound" in self.__dict__ and not self.__dict__.get("_following", False):
+            self._follow_model()
+        return self._groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self._groups = groups
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later)."""
-        super().add_param_group(param_group)
         if self._inner is None:  # inside __init__: the inner optimizer is built with every group
+            super().add_param_group(param_group)
             return
-        group = self.param_groups[-1]
-        for p in group["params"]:
-            if isinstance(local_tensor(p), QuantizedTensor):
+        self._follow_model()
+        self._following = True  # the groups grow here, before the snapshot that follows them
+        try:
+            super().add_param_group(param_group)
+            group = self._groups[-1]
+            fp8 = [p for p in group["params"] if isinstance(local_tensor(p), QuantizedTensor)]
+            if fp8:
+                self._groups.pop()  # refused: nothing changes
                 raise ValueError(
-                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(p)} is an FP8 parameter; its master "
+                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(fp8[0])} is an FP8 parameter; its master "
                     "is made at construction. Pass every FP8 parameter when building the optimizer "
                     "(frozen ones may have requires_grad=False).")
-            self._inner_of[p] = _local_alias(p)
-        self._fqn.update(_fqns(self.model, [group]))
-        self._inner.add_param_group({**group, "params": [self._inner_of[p] for p in group["params"]]})
-        self._bound = optim_follow.snapshot(self)
+            for p in group["params"]:
+                self._inner_of[p] = _local_alias(p)
+            self._fqn.update(_fqns(self.model, [group]))
+            self._inner.add_param_group({**group, "params": [self._inner_of[p] for p in group["params"]]})
+            self._bound = optim_follow.snapshot(self)
+        finally:
+            self._following = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -472,8 +492,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _follow_model(self) -> None:
         """Follow the model's parameters if something replaced them in ``param_groups`` after
         construction (accelerate's ``prepare``; see optim_follow.py)."""
-        if not optim_follow.unchanged(self):
-            optim_follow.follow_model(self, canonical_fqn)
+        if self.__dict__.get("_following", False):  # optim_follow reads param_groups itself
+            return
+        self._following = True
+        try:
+            if not optim_follow.unchanged(self):
+                optim_follow.follow_model(self, canonical_fqn)
+        finally:
+            self._following = False
 
     def _state_of(self, p) -> dict:
         """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner
