@@ -466,7 +466,8 @@ class QuantizedTensor(torch.Tensor):
             hint = ""
             if func.__name__.startswith(("_fused_", "_foreach_")):  # a torch optimizer's step on the weight
                 hint = (" An optimizer is updating FP8 weights in place: train them through high-precision masters "
-                        "with dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, ...).")
+                        "with dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, ...) (in torchtitan: "
+                        "dtensor_fp8.integrations.torchtitan.master_weight_adamw).")
             raise NotImplementedError(
                 f"dtensor_fp8: {func} is not supported on a QuantizedTensor (args: {shapes}). FP8 weights "
                 "are never silently dequantized: call .dequantize() for a high-precision copy, or use "
