@@ -292,15 +292,22 @@ def test_converter_selects_by_config_and_refuses_what_it_cannot_convert():
 
 
 def test_torchtitans_own_optimizer_over_fp8_weights_is_refused_with_the_fix():
+    """torchtitan's ``OptimizersContainer`` (``default_adamw``) over the converted model: the first
+    forward and ``state_dict()`` refuse (the FP8 bytes are made by dtensor_fp8's container), and so
+    would its step, naming ``master_weight_adamw``."""
     from torchtitan.components.optimizer import default_adamw
 
     model = _built("mxfp8")
-    default_adamw(lr=LR).build(model_parts=[model])
+    optimizers = default_adamw(lr=LR).build(model_parts=[model])
     tokens = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(d.RecipeError, match="master_weight_adamw"):
         model(tokens, positions=torch.arange(8)[None])
     with pytest.raises(d.RecipeError, match="master_weight_adamw"):
         model.state_dict()
+    d.finish_init_(model)  # bytes made by hand: then its step would write FP8 weights in place
+    model(tokens, positions=torch.arange(8)[None]).float().mean().backward()
+    with pytest.raises(NotImplementedError, match=r"(?s)updating FP8 weights in place.*master_weight_adamw"):
+        optimizers.step()
 
 
 def test_state_dict_layout_round_trips_and_refuses_another_recipe():
