@@ -23,6 +23,9 @@ Variants:
   (forward: rowwise; backward: columnwise where the recipe stores it, else the rowwise plane again),
   the embedding and norms in bf16 as in ``bf16``.
 
+A variant that cannot run at a world size (a blockwise recipe whose 128-row blocks a shard of the
+debug model's 768-row weights would split at 4 ranks) is recorded with dtensor_fp8's refusal.
+
 Counted: the bytes each rank receives from FSDP2's all-gathers in one training step after a
 warm-up step (:class:`dtensor_fp8.comm.CollectiveBytes`, at the plain-tensor level: FP8 planes as
 uint8 plus their scales), by dtype. Goal: every dtensor_fp8 recipe at most :data:`GOAL` x ``bf16``.
@@ -143,7 +146,11 @@ def measure(worlds, variants) -> list[dict]:
         for world in worlds:
             for variant in variants:
                 store = os.path.join(tmp, f"store-{variant}-{world}")
-                torch.multiprocessing.spawn(_run, args=(world, store, variant, tmp), nprocs=world)
+                try:
+                    torch.multiprocessing.spawn(_run, args=(world, store, variant, tmp), nprocs=world)
+                except torch.multiprocessing.ProcessRaisedException as err:  # e.g. blocks a shard would split
+                    results.append({"variant": variant, "world_size": world, "refused": str(err).strip().splitlines()[-1]})
+                    continue
                 with open(os.path.join(tmp, f"{variant}-{world}.json")) as f:
                     results.append(json.load(f))
     return results
@@ -155,10 +162,13 @@ def table(results: list[dict]) -> str:
     weights' bytes against the same weights in ``bf16`` (the rest: (all - bf16 part) / (bf16's all -
     that part); those parameters are gathered alike in both), and per-rank peak memory."""
     mib = 2**20
-    ref = {r["world_size"]: max(x["received"] for x in r["ranks"]) for r in results if r["variant"] == "bf16"}
+    ref = {r["world_size"]: max(x["received"] for x in r["ranks"]) for r in results if r["variant"] == "bf16" and "ranks" in r}
     lines = ["| variant | world | all-gather MiB / step / rank | vs bf16 | of which bf16 MiB | FP8 weights vs bf16 "
              "| peak MiB / rank | goal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
+        if "refused" in r:
+            lines.append(f"| {r['variant']} | {r['world_size']} | refused: {r['refused'][:160]} | | | | | |")
+            continue
         rank0 = r["ranks"][0]
         received = max(x["received"] for x in r["ranks"])
         bf16 = rank0["by_dtype"].get("bfloat16", 0)
