@@ -48,7 +48,8 @@ class OpTable:
         return NotImplemented if self._fallback is None else self._fallback(func, args, kwargs)
 
     def implements(self, ops) -> Callable:
-        """Decorator registering ``fn(func, args, kwargs)`` for every op in ``ops``.
+        """Decorator registering ``fn(func, args, kwargs)`` for every op in ``ops``: op overloads or
+        packets, or qualified names (``"lib::op"``) for ops of a library that may not be loaded.
 
         Raises:
             ValueError: an op already has an implementation in this table.
@@ -71,10 +72,10 @@ class OpTable:
         return register
 
     def lookup(self, func) -> Callable | None:
-        """The implementation of ``func`` (an op overload, or its packet), or ``None``."""
+        """The implementation of ``func`` (an op overload, its packet, or its qualified name), or ``None``."""
         impl = self._impls.get(func)
         if impl is None and hasattr(func, "overloadpacket"):
-            impl = self._impls.get(func.overloadpacket)
+            impl = self._impls.get(func.overloadpacket) or self._impls.get(func.name())
         return impl
 
     def __contains__(self, func) -> bool:

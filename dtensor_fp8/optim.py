@@ -180,6 +180,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._bound = optim_follow.snapshot(self)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """torch's ``param_groups``. Read after a framework replaced their parameters (accelerate's
+        ``prepare``), they already hold the model's current parameters (optim_follow.py)."""
+        if "_bound" in self.__dict__ and not self.__dict__.get("_following", False):
+            self._follow_model()
+        return self._groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        self._groups = groups
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later).
 
@@ -189,10 +201,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if self._inner is None:  # inside __init__: the inner optimizer is built with every group
             super().add_param_group(param_group)
             return
-        outer, inner = len(self.param_groups), len(self._inner.param_groups)
+        self._follow_model()
+        self._following = True  # the groups grow here, before the snapshot that follows them
+        outer, inner = len(self._groups), len(self._inner.param_groups)
         try:  # torch's checks run inside and append the group: a refusal after that takes it out again
             super().add_param_group(param_group)
-            group = self.param_groups[-1]
+            group = self._groups[-1]
             fp8 = [p for p in group["params"] if isinstance(local_tensor(p), QuantizedTensor)]
             if fp8:
                 raise ValueError(
@@ -202,13 +216,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             names = _fqns(self.model, [group])
             aliases = {p: _local_alias(p) for p in group["params"]}
             self._inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
+            self._inner_of.update(aliases)
+            self._fqn.update(names)
+            self._bound = optim_follow.snapshot(self)
         except BaseException:
-            del self.param_groups[outer:]
+            del self._groups[outer:]
             del self._inner.param_groups[inner:]
             raise
-        self._inner_of.update(aliases)
-        self._fqn.update(names)
-        self._bound = optim_follow.snapshot(self)
+        finally:
+            self._following = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -472,8 +488,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _follow_model(self) -> None:
         """Follow the model's parameters if something replaced them in ``param_groups`` after
         construction (accelerate's ``prepare``; see optim_follow.py)."""
-        if not optim_follow.unchanged(self):
-            optim_follow.follow_model(self, canonical_fqn)
+        if self.__dict__.get("_following", False):  # optim_follow reads param_groups itself
+            return
+        self._following = True
+        try:
+            if not optim_follow.unchanged(self):
+                optim_follow.follow_model(self, canonical_fqn)
+        finally:
+            self._following = False
 
     def _state_of(self, p) -> dict:
         """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner

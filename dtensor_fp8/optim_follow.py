@@ -6,9 +6,9 @@ into each ``params`` list, shards the model (``fully_shard`` replaces every para
 then points each group at a new list of the parameters it matched by ``data_ptr()``. In
 accelerate's own order (optimizer built before ``prepare``) the masters of a
 ``MasterWeightOptimizer`` then belong to parameters the model no longer has, which get no
-gradients: nothing would train. So before each use (``step``, ``zero_grad``, ``state``,
-``state_dict``, ``load_state_dict``, ``masters``) the optimizer checks, one identity test per
-group, that its groups are the lists it holds (:func:`unchanged`); if one was replaced,
+gradients: nothing would train. So before each use (reading ``param_groups``, ``step``,
+``zero_grad``, ``state``, ``state_dict``, ``load_state_dict``, ``masters``) the optimizer checks,
+one identity test per group, that its groups are the lists it holds (:func:`unchanged`); if one was replaced,
 :func:`follow_model` re-derives every group from the parameters the optimizer was built with, by
 FQN in ``opt.model`` (never from what was put in the lists, which a collapsed ``data_ptr()`` match
 could have filled with one parameter many times):
@@ -20,7 +20,8 @@ could have filled with one parameter many times):
   LR schedulers hold it) and its registered hooks.
 
 A ``params`` list changed in place, with no new list object, is not noticed: replace the list.
-Until the optimizer's first use after ``prepare``, ``param_groups`` shows what accelerate put there.
+``param_groups`` is a property for this: read right after ``prepare``, it already holds each model
+parameter once (a group dict someone kept from before ``prepare`` still shows accelerate's list).
 
 Why the optimizer adapts rather than each FP8 parameter reporting a distinct ``data_ptr()`` (a
 plane's address) for accelerate's match: torch takes ``data_ptr() == 0`` to mean "a wrapper

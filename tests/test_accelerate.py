@@ -11,7 +11,7 @@ What had gone wrong: ``prepare`` re-maps the optimizer's parameters by ``data_pt
 FP8 parameter reports 0 (a wrapper tensor without storage), so the 14 FP8 weights collapsed onto
 one in ``param_groups``; in accelerate's order (optimizer first) the masters also belonged to the
 parameters ``prepare`` replaced. ``MasterWeightOptimizer`` now re-derives its groups by FQN before
-each use and follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
+each use, reading ``param_groups`` included, and follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
 ``data_ptr()``: torch takes 0 to mean a wrapper without storage, in ``deepcopy`` and pickling).
 
 accelerate and lightning are test extras (``pip install -e ".[test,frameworks]"``).
@@ -109,8 +109,9 @@ def _train_orders():
     out = {}
     for order in ("plain", "accelerate", "library"):
         accelerator, model, opt = _prepared(order)
-        before = _snapshot(model, opt.optimizer)  # reading the masters re-derives the groups first
-        out[order] = {**_held_once(model, opt), "losses": _train(accelerator, model, opt, 4)}
+        right_after_prepare = _held_once(model, opt)
+        before = _snapshot(model, opt.optimizer)
+        out[order] = {**right_after_prepare, "losses": _train(accelerator, model, opt, 4)}
         out[order]["after"] = _held_once(model, opt)
         after = _snapshot(model, opt.optimizer)
         out[order]["unchanged"] = sorted(k for k in before if k.endswith("/rowwise") and torch.equal(before[k], after[k]))
@@ -118,8 +119,10 @@ def _train_orders():
 
 
 def test_prepare_in_either_order_trains_like_the_model_without_fp8(pools):
-    """Once used after ``prepare``, the optimizer holds every parameter of the sharded model exactly
-    once, through training; every FP8 weight changes; both orders give the
+    """Right after ``prepare`` (accelerate's ``param_groups`` re-mapping by ``data_ptr()`` had
+    collapsed the FP8 weights: 21 entries, 8 distinct) and through training, the optimizer's
+    ``param_groups`` hold every parameter of the sharded model exactly once; every FP8 weight
+    changes; both orders give the
     same losses (the masters start from the same high-precision init), each within 1 % of the
     model without FP8: the FP8 rounding of the weights moved them by at most 0.1 % when measured."""
     out = pools[WORLD_SIZES[0]].run(_train_orders)[0]

@@ -37,16 +37,18 @@ def _planes(model):
 
 def test_groups_collapsed_by_a_data_ptr_match_are_restored():
     """Every FP8 parameter's ``data_ptr()`` is 0, so a match by it puts one parameter in every FP8
-    slot (a new list, as accelerate assigns): the next use restores the groups."""
+    slot (a new list, as accelerate assigns): the next read of ``param_groups`` restores the groups."""
     model = _model()
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
     params = list(opt.param_groups[0]["params"])
     assert {p.data_ptr() for p in params if isinstance(p, d.QuantizedTensor)} == {0}
     by_ptr = {p.data_ptr(): p for p in params}
-    opt.param_groups[0]["params"] = [by_ptr[p.data_ptr()] for p in params]
-    assert len({id(p) for p in opt.param_groups[0]["params"]}) < len(params)
-    opt.zero_grad()
+    collapsed = [by_ptr[p.data_ptr()] for p in params]
+    opt.param_groups[0]["params"] = collapsed
+    assert len({id(p) for p in collapsed}) < len(params)
     assert opt.param_groups[0]["params"] == params and all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    opt.zero_grad()
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
 
 
 def test_replaced_parameters_are_followed_exactly():

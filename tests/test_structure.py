@@ -33,7 +33,7 @@ LAYERS = [
     ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm"]),
     ("training / checkpoint", ["requantize", "operand_scaling", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),
-    ("top", ["te", "__init__", "benchmarks", "benchmarks.*"]),
+    ("top", ["te", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
 ]
 
 #: Private torch modules (a path component starting with "_") that files other than _compat.py may

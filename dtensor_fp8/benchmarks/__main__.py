@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
     "convergence": ("dtensor_fp8.benchmarks.convergence", "byte-level LM on the stdlib's sources: bf16 (2 seeds) vs FP8 recipes vs torchao loss curves"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
+    "torchtitan": ("dtensor_fp8.benchmarks.torchtitan", "torchtitan's Llama3 debug model: all-gather bytes / step and peak memory, bf16 vs torchao float8 vs ours"),
     "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }
 

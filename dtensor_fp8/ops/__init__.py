@@ -6,10 +6,11 @@ registration is a ``@TABLE.implements([...])`` in one of these files, one concep
 * ``copies.py``: aliases, views, copies and allocation;
 * ``init.py``: ``torch.nn.init``'s in-place ops on a meta-built weight's pending values;
 * ``collectives.py``: DTensor's functional collectives (FP8 bytes on the wire);
-* ``gemm.py``: ``F.linear`` and the tensor-parallel ``mm`` / ``addmm`` (``QuantizedTransposeView``).
+* ``gemm.py``: ``F.linear`` and the tensor-parallel ``mm`` / ``addmm`` (``QuantizedTransposeView``);
+* ``spmd_types.py``: ``spmd_types``' tensor-parallel shard op (torchtitan's default TP backend).
 """
 
-from . import collectives, copies, gemm, init, slicing  # noqa: F401  (each registers its ops)
+from . import collectives, copies, gemm, init, slicing, spmd_types  # noqa: F401  (each registers its ops)
 from .gemm import QuantizedTransposeView
 from .slicing import cat_quantized, check_shardable, chunk_of, shard_boundaries, slice_quantized, zeros_like_quantized
 

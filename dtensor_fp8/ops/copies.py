@@ -43,6 +43,10 @@ def _view(func, args, kwargs):
         # storage with the wrapper's, which has none).
         primary = next(iter(q.planes.values())).data
         return primary.view(torch.uint8).reshape(-1).as_subclass(PlaneBytes)
+    if torch.Size(size) != q.shape and q.bytes_pending and not q.is_meta:
+        # An init reshaping a weight whose bytes are pending reads or writes its values (torchtitan's
+        # fused-QKV init views a scratch ``new_empty`` as (heads, ..., dim)): see ops/init.py's note.
+        return func(q.hp_init, size)
     if torch.Size(size) != q.shape:
         raise RecipeError(
             f"{q.recipe.name}: cannot view a quantized weight of shape {tuple(q.shape)} as {tuple(size)}: "

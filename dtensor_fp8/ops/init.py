@@ -60,7 +60,9 @@ def _init_in_place(func, args, kwargs):
 def _pending_values(func, args, kwargs):
     """Any other op on weights whose bytes are pending: run on their values (plain results)."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, QuantizedTensor)]
-    if not tensors or not all(t.bytes_pending for t in tensors):
+    # Only after ``to_empty``: on the meta device an op without an implementation is a sharding or
+    # parallelization step, whose plain result would silently replace the FP8 weight.
+    if not tensors or not all(t.bytes_pending and not t.is_meta for t in tensors):
         return NotImplemented
     return func(*tree_map_only(QuantizedTensor, lambda t: t.hp_init, args),
                 **tree_map_only(QuantizedTensor, lambda t: t.hp_init, kwargs))

@@ -1,0 +1,259 @@
+"""dtensor_fp8 inside torchtitan 0.3: FP8 parameters switched on from a torchtitan job config.
+
+[Note: what a torchtitan user writes]
+A job config (a ``Trainer.Config`` function, as torchtitan's ``config_registry`` modules hold)::
+
+    from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter, master_weight_adamw
+
+    def llama3_debugmodel_fp8() -> Trainer.Config:
+        config = llama3_debugmodel()
+        config.model_spec = model_registry("debugmodel", converters=[
+            FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
+        config.optimizer = master_weight_adamw(lr=8e-4)
+        return config
+
+Everything torchtitan does after that is its own code, unchanged: the meta-device build, its
+``parallelize_*`` (FSDP2 with any ``spmd_backend``, tensor parallelism), ``to_empty`` and
+``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and its DCP
+``CheckpointManager``.
+
+[Note: the pieces]
+* :class:`FP8ParameterConverter` is a ``QuantizationConverter`` like torchtitan's float8 and mx
+  converters: it swaps each selected ``Linear.Config`` for :class:`FP8ParameterLinear.Config` (the
+  same fields plus the recipe name), at config time, and refuses at once (listing every layer) a
+  shape the recipe cannot hold, a Linear subclass it would replace, or a tied output head.
+* :class:`FP8ParameterLinear` is torchtitan's ``Linear`` whose weight is an FP8 parameter, made by
+  :func:`dtensor_fp8.quantize_module_` when torchtitan builds the model on the meta device. FSDP2
+  then gathers its FP8 planes (forward: rowwise; backward: columnwise) where torchtitan gathers
+  bf16; ``init_weights`` writes the weight's high-precision values, which the optimizer quantizes.
+* :class:`MasterWeightOptimizersContainer` is torchtitan's ``OptimizersContainer`` whose optimizers
+  are :class:`dtensor_fp8.MasterWeightOptimizer` over the optimizer class each param group names
+  (FP32 masters of the FP8 weights; building it makes the FP8 bytes from ``init_weights``' values).
+  torchtitan's own container over FP8 parameters is refused at the first forward or
+  ``state_dict()``: the FP8 bytes are not made, and the error names this container.
+* The state dict: torchtitan's checkpointer keeps ``model.state_dict()``'s entries as tensors and
+  refreshes them in place (``ModelWrapper``), so an FP8 weight's entry (a dict of planes, see
+  ``dtensor_fp8/state_dict.py``) appears flattened: ``<fqn>.weight.rowwise_data``,
+  ``...rowwise_scale_inv``, ... (the keys DCP gives the dict on disk), and the recipe config as a
+  uint8 tensor of its JSON, ``<fqn>.weight.recipe`` (:data:`RECIPE_FIELD_BYTES` long). Loading
+  gathers them back, and the library checks recipe and planes before any byte is written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from torchtitan.components.optimizer import OptimizersContainer, default_adamw
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.config.override import derive
+from torchtitan.models.common.linear import Linear
+
+from ..formats import RECIPES
+from ..formats.base import RecipeError
+from ..module import quantize_module_
+from ..optim import MasterWeightOptimizer
+from ..state_dict import RECIPE_KEY
+
+#: length of the recipe-config field in a torchtitan state dict (the JSON, zero-padded)
+RECIPE_FIELD_BYTES = 256
+
+
+def _recipe(name: str):
+    if name not in RECIPES:
+        raise RecipeError(f"FP8ParameterConverter: unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[name]
+
+
+class FP8ParameterLinear(Linear):
+    """torchtitan's ``Linear`` with an FP8 weight parameter (see the notes).
+
+    Built by :class:`FP8ParameterConverter` from a ``Linear.Config``; build it on the meta device
+    (torchtitan's trainer does), then ``parallelize``, ``to_empty``, ``init_weights`` and build the
+    :class:`MasterWeightOptimizersContainer`.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     lin = FP8ParameterLinear.Config(in_features=256, out_features=512, recipe="mxfp8").build()
+        >>> type(lin.weight).__name__
+        'QuantizedTensor'
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        recipe: str = "mxfp8"
+        """dtensor_fp8 recipe name: delayed, current, mxfp8, blockwise1d or blockwise2d."""
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        # Registered before quantize_module_'s own hooks on loading, after them on saving.
+        self.register_load_state_dict_pre_hook(_gather_fp8_entries)
+        quantize_module_(self, _recipe(config.recipe))
+        self.register_state_dict_post_hook(_flatten_fp8_entries)
+
+
+class FP8ParameterConverter(QuantizationConverter):
+    """Swap ``Linear.Config`` for :class:`FP8ParameterLinear.Config` in a torchtitan model config.
+
+    Example:
+        >>> spec = model_registry("debugmodel", converters=[
+        ...     FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        recipe: str = "mxfp8"
+        """dtensor_fp8 recipe name: delayed, current, mxfp8, blockwise1d or blockwise2d."""
+
+        filter_fqns: list[str] = field(default_factory=list)
+        """Linear layers to keep in high precision: any whose FQN contains one of these strings
+        (torchtitan's float8 rule), e.g. ``["lm_head"]``."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.recipe = _recipe(config.recipe)
+
+    def convert(self, model_config):
+        """The model config with every selected ``Linear.Config`` swapped, or a :class:`RecipeError`
+        listing every selected layer that cannot be converted (nothing is swapped then)."""
+        skip = self.config.filter_fqns
+        tied = bool(getattr(model_config, "enable_weight_tying", False))
+        targets, problems = [], []
+        for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
+            if any(f in fqn for f in skip):
+                continue
+            if type(linear) is not Linear.Config:
+                problems.append(f"{fqn}: a {type(linear).__qualname__}, not a plain Linear.Config (converting it would "
+                                "drop what the subclass does)")
+                continue
+            if tied and fqn.split(".")[-1] == "lm_head":
+                problems.append(f"{fqn}: tied to the token embedding (enable_weight_tying); one FP8 parameter cannot "
+                                "serve an embedding lookup")
+                continue
+            try:
+                self.recipe.check_shape((linear.out_features, linear.in_features))
+            except RecipeError as err:
+                problems.append(f"{fqn}: {err}")
+                continue
+            targets.append((linear, parent, attr))
+        if problems:
+            raise RecipeError(
+                f"FP8ParameterConverter({self.config.recipe!r}): nothing was converted; {len(problems)} Linear layers "
+                "cannot hold FP8 parameters:\n  " + "\n  ".join(problems) +
+                f"\nKeep them in high precision with filter_fqns=[...] (now {skip!r}), e.g. "
+                f"filter_fqns={skip + [problems[0].split(':')[0]]!r}.")
+        for linear, parent, attr in targets:
+            new = derive(linear, FP8ParameterLinear.Config, recipe=self.config.recipe)
+            if isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        return model_config
+
+
+class MasterWeightOptimizersContainer(OptimizersContainer):
+    """torchtitan's ``OptimizersContainer`` whose optimizers are
+    :class:`dtensor_fp8.MasterWeightOptimizer` (see the notes): the same param groups, optimizer
+    names, kwargs, state-dict layout and hooks; FP8 weights step through high-precision masters.
+
+    Example:
+        >>> config.optimizer = MasterWeightOptimizersContainer.Config(param_groups=[
+        ...     ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 8e-4})])
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        master_dtype: Literal["float32", "bfloat16"] = "float32"
+        """dtype of the FP8 weights' masters and of their optimizer state."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        self._master_dtype = TORCH_DTYPE_MAP[config.master_dtype]
+        self._part_of = {id(p): part for part in model_parts for p in part.parameters()}
+        super().__init__(config, model_parts=model_parts)
+
+    def _resolve_optimizer_factory(self, name: str):
+        """torchtitan's optimizer class for ``name``, built as the inner optimizer of a
+        ``MasterWeightOptimizer`` over the model part that holds the group's parameters."""
+        inner = OptimizersContainer._resolve_optimizer_factory(name)
+        if not (isinstance(inner, type) and issubclass(inner, torch.optim.Optimizer)):
+            raise ValueError(f"MasterWeightOptimizersContainer: optimizer_name={name!r} builds through a factory "
+                             f"({getattr(inner, '__qualname__', inner)}), not a torch.optim.Optimizer class; FP8 "
+                             "parameters train through MasterWeightOptimizer over an Optimizer class (Adam, AdamW)")
+
+        def build(param_groups: list[dict[str, Any]], **kwargs: Any) -> MasterWeightOptimizer:
+            part = self._part_of[id(param_groups[0]["params"][0])]
+            return MasterWeightOptimizer(part, inner, param_groups, master_dtype=self._master_dtype, **kwargs)
+
+        return build
+
+
+def master_weight_adamw(lr: float = 8e-4, *, master_dtype: str = "float32",
+                        **kwargs: Any) -> MasterWeightOptimizersContainer.Config:
+    """torchtitan's ``default_adamw`` (one catch-all AdamW group), through
+    :class:`MasterWeightOptimizersContainer`.
+
+    Args:
+        lr: learning rate.
+        master_dtype: ``"float32"`` (default) or ``"bfloat16"``.
+        **kwargs: more AdamW kwargs (``weight_decay=...``).
+
+    Example:
+        >>> config.optimizer = master_weight_adamw(lr=8e-4)
+    """
+    return MasterWeightOptimizersContainer.Config(param_groups=default_adamw(lr, **kwargs).param_groups,
+                                                  master_dtype=master_dtype)
+
+
+# ---- the state-dict layout torchtitan's checkpointer keeps (see the note) ------------------------------
+def recipe_tensor(config: str) -> torch.Tensor:
+    """A recipe config (JSON) as the fixed-length uint8 tensor a torchtitan state dict holds.
+
+    Args:
+        config: ``dtensor_fp8.formats.config.recipe_config(recipe)``.
+
+    Example:
+        >>> recipe_from_tensor(recipe_tensor('{"recipe": "MXFP8"}'))
+        '{"recipe": "MXFP8"}'
+    """
+    raw = config.encode()
+    if len(raw) > RECIPE_FIELD_BYTES:
+        raise RecipeError(f"recipe config of {len(raw)} bytes does not fit the {RECIPE_FIELD_BYTES}-byte field: {config}")
+    out = torch.zeros(RECIPE_FIELD_BYTES, dtype=torch.uint8)
+    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return out
+
+
+def recipe_from_tensor(value: torch.Tensor) -> str:
+    """The recipe config held by :func:`recipe_tensor`'s tensor.
+
+    Args:
+        value: the ``<fqn>.weight.recipe`` entry.
+    """
+    return bytes(value.cpu().tolist()).rstrip(b"\0").decode()
+
+
+def _flatten_fp8_entries(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    entry = state_dict.get(key)
+    if not isinstance(entry, dict):  # high-precision export, or no FP8 weight
+        return
+    del state_dict[key]
+    for name, value in entry.items():
+        state_dict[f"{key}.{name}"] = recipe_tensor(value) if name == RECIPE_KEY else value
+
+
+def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
+    key = prefix + "weight"
+    sub = re.compile(re.escape(key) + r"\.(\w+)$")
+    names = {m.group(1): k for k in list(state_dict) if (m := sub.match(k))}
+    if not names:
+        return
+    entry = {name: state_dict.pop(k) for name, k in names.items()}
+    if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
+        entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
+    state_dict[key] = entry

@@ -1,0 +1,339 @@
+"""torchtitan 0.3 with dtensor_fp8's converter, driven through torchtitan's own functions: its
+Llama3 debug model config (``model_registry``), the converter applied by that config, its sharding
+config and ``parallelize_llama`` (FSDP2 on 2 ranks; FSDP2 x TP on 4; the default ``spmd_types``
+backend and the DTensor one), ``init_weights``, its optimizers container, LR schedulers, loss and
+DCP ``CheckpointManager`` (dtensor_fp8/integrations/torchtitan.py).
+
+What differs from torchtitan's trainer, and why (a CPU over gloo; the trainer itself imports the
+``datasets`` package, which the test extra leaves out):
+* ``torchtitan.distributed.parallel_dims.device_type`` is set to the ranks' device: torchtitan takes
+  "cuda" when no accelerator is present;
+* the attention is torchtitan's ``ScaledDotProductAttention`` (its FlexAttention has no CPU
+  backward; its config helper refuses "sdpa" for language models, so the config is set here);
+* the sharding config comes from ``set_llama3_sharding_config`` (what the trainer's
+  ``update_from_config`` calls; that method imports the trainer);
+* FSDP reduce-scatters with a SUM (``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM,
+  which torchtitan's gradient-divide factor of 1 asks for; the sum is the same.
+
+torchtitan needs torch >= 2.14; install it with the test extra (pyproject.toml's ``torchtitan``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtensor_fp8 as d
+from dist_utils import BACKEND, WORLD_SIZES, backend_spec
+
+if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
+    pytest.skip(f"torchtitan 0.3 needs torch >= 2.14 (this is {torch.__version__})", allow_module_level=True)
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]', see pyproject)")
+
+import torch.distributed as dist  # noqa: E402
+
+from dtensor_fp8._compat import dtensor_local  # noqa: E402
+from dtensor_fp8.integrations.torchtitan import (  # noqa: E402
+    FP8ParameterConverter,
+    FP8ParameterLinear,
+    master_weight_adamw,
+    recipe_from_tensor,
+)
+
+LR = 1e-3
+SEQ = 64
+BATCH = 2  # per data-parallel rank
+VOCAB = 2048  # the debug model's
+#: Linear layers of the debug model: 6 blocks x (wqkv, wo, w1, w2, w3), and the output head
+LINEARS = 6 * 5 + 1
+
+
+def _model_config(recipe: str | None, filter_fqns=(), *, enable_sp: bool = False):
+    """torchtitan's debug model config, through ``model_registry`` with the converter (or none),
+    then the CPU attention and torchtitan's sharding config (see the module docstring)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    converters = None if recipe is None else [FP8ParameterConverter.Config(recipe=recipe, filter_fqns=list(filter_fqns))]
+    config = model_registry("debugmodel", converters=converters).model
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(config, enable_sp=enable_sp)
+    return config
+
+
+#: (spmd backend, TP degree, world size) -> the ParallelDims (and meshes) this rank process uses
+_PARALLEL_DIMS: dict = {}
+
+
+class _Run:
+    """One torchtitan training setup on this rank: model, optimizers, schedulers, checkpointer."""
+
+    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None):
+        import torchtitan.distributed.parallel_dims as parallel_dims_module
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.checkpoint import CheckpointManager
+        from torchtitan.components.loss import CrossEntropyLoss
+        from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims, utils as dist_utils
+        from torchtitan.models.llama3 import parallelize_llama
+
+        device = backend_spec(BACKEND).device
+        parallel_dims_module.device_type = device
+        self.backend = backend
+        parallelism = ParallelismConfig(spmd_backend=backend, tensor_parallel_degree=tp)
+        training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
+        dist_utils.set_spmd_backend(backend)
+        key = (backend, tp, dist.get_world_size())
+        if key not in _PARALLEL_DIMS:  # one set of meshes per rank process: FSDP's spmd_types path matches mesh objects
+            _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
+            _PARALLEL_DIMS[key].build_mesh()
+        self.dims = _PARALLEL_DIMS[key]
+        with torch.device("meta"):
+            model = _model_config(recipe, enable_sp=False).build()
+        torch.manual_seed(0)  # init_weights draws the same values with and without FP8
+        model = parallelize_llama(model, parallel_dims=self.dims, training=training, parallelism=parallelism,
+                                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        #: the parameters right after parallelization (before to_empty): name -> (class of the local tensor, recipe)
+        self.parallelized = {n: (type(dtensor_local(p)).__name__, getattr(dtensor_local(p), "recipe", None))
+                             for n, p in model.named_parameters()}
+        if BACKEND != "nccl":
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        self.model = model
+        self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=[model])
+        self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
+                                                                             training_steps=16)
+        self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
+        self.checkpointer = None
+        if ckpt_dir is not None:
+            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
+                                                         last_save_model_only=False).build(
+                dataloader=None, model_parts=[model], optimizers=self.optimizers, lr_schedulers=self.schedulers,
+                states={}, sd_adapter=None, base_folder=ckpt_dir)
+        self.batch_mesh = self.dims.get_mesh("batch") if self.dims.dp_enabled else None
+        self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
+
+    def train(self, steps) -> list[float]:
+        """Steps over two fixed batches (the loss falls by memorizing them); the global mean loss."""
+        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+        rank = self.batch_mesh.get_local_rank() if self.batch_mesh is not None else 0
+        losses = []
+        for step in steps:
+            tokens = torch.randint(0, VOCAB, (self.dp * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
+            mine = tokens[rank * BATCH:(rank + 1) * BATCH]
+            inputs, labels = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+            extra = {"positions": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
+            if self.backend == "spmd_types":
+                inputs, labels, extra = annotate_input_spmd_types(self.dims, inputs, labels, extra)
+            with dist_utils.get_spmd_context(parallel_dims=self.dims)():
+                loss, _ = self.loss_fn(self.model(inputs, **extra), labels,
+                                       torch.tensor(float(self.dp * BATCH * SEQ)))
+                loss.backward()
+            self.optimizers.step()
+            self.schedulers.step()
+            self.optimizers.zero_grad()
+            total = loss.detach().clone()
+            if self.batch_mesh is not None:
+                dist.all_reduce(total, group=self.batch_mesh.get_group())
+            losses.append(total.item())
+        return losses
+
+    def fp8_weights(self) -> dict[str, str]:
+        return {n: repr(dtensor_local(p).recipe) for n, p in self.model.named_parameters()
+                if isinstance(dtensor_local(p), d.QuantizedTensor)}
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Every parameter's local bytes (FP8 planes), each master's and the optimizer state's."""
+        out = {}
+        for n, p in self.model.named_parameters():
+            local = dtensor_local(p)
+            if isinstance(local, d.QuantizedTensor):
+                for usage, plane in local.planes.items():
+                    out[f"{n}/{usage}"] = plane.data.view(torch.uint8).clone()
+                    out[f"{n}/{usage}_scale"] = plane.scale_inv.contiguous().view(torch.uint8).clone()
+            else:
+                out[n] = local.detach().clone()
+        for key, value in self.optimizers.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                out[f"opt/{key}"] = dtensor_local(value).detach().clone()
+        return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _train_side_by_side(recipes, tp, backend, steps=4):
+    """Losses of the model without FP8 and with each recipe; what parallelization left FP8."""
+    out = {"plain": _Run(None, tp, backend).train(range(steps))}
+    for recipe in recipes:
+        run = _Run(recipe, tp, backend)
+        before = run.snapshot()
+        out[recipe] = {"losses": run.train(range(steps)), "parallelized": run.parallelized,
+                       "fp8_after": run.fp8_weights()}
+        after = run.snapshot()
+        out[recipe]["unchanged"] = sorted(k for k in before if k.endswith("/rowwise") and torch.equal(before[k], after[k]))
+    return out
+
+
+def _check_side_by_side(out, recipes):
+    plain = out["plain"]
+    assert plain[-1] < 0.95 * plain[0], plain
+    for recipe in recipes:
+        r = out[recipe]
+        fp8 = {n: rec for n, (cls, rec) in r["parallelized"].items() if cls == "QuantizedTensor"}
+        linears = {n for n in r["parallelized"] if n.endswith(("wqkv.weight", "wo.weight", "w1.weight", "w2.weight",
+                                                              "w3.weight")) or n == "lm_head.weight"}
+        assert set(fp8) == linears and len(fp8) == LINEARS, (recipe, sorted(set(linears) ^ set(fp8)))
+        assert {repr(v) for v in fp8.values()} == {repr(d.RECIPES[recipe])}, fp8
+        assert set(r["fp8_after"]) == linears, recipe
+        assert r["unchanged"] == [], (recipe, r["unchanged"])
+        for a, b in zip(r["losses"], plain):
+            assert abs(a - b) <= 0.01 * b, (recipe, r["losses"], plain)
+
+
+RECIPES_2 = list(d.RECIPES)
+
+
+def test_fsdp_two_ranks_every_recipe_trains_like_bf16(pools):
+    """2 ranks, FSDP2 (torchtitan's default spmd_types backend): the converter in the model config
+    leaves every Linear weight FP8 through ``parallelize_llama``, training, and the losses stay
+    within 1 % of the same run without FP8 (measured: 0.05 % at most)."""
+    out = pools[2].run(_train_side_by_side, RECIPES_2, 1, "spmd_types")
+    assert out[0] == out[1]
+    _check_side_by_side(out[0], RECIPES_2)
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+@pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
+def test_fsdp_x_tp_four_ranks_trains_like_bf16(pools, backend):
+    """4 ranks, FSDP2 x TP (2 x 2): torchtitan's TP (spmd_types' local shards, or DTensor's) cuts
+    each FP8 weight at block boundaries, FSDP shards it again; losses within 1 % of bf16."""
+    recipes = ["mxfp8", "current"]
+    out = pools[4].run(_train_side_by_side, recipes, 2, backend)
+    assert all(o == out[0] for o in out)
+    _check_side_by_side(out[0], recipes)
+
+
+def _resume(recipe, tp, backend, root):
+    first = _Run(recipe, tp, backend, root)
+    first.train(range(2))
+    assert first.checkpointer.save(curr_step=2)
+    losses = first.train(range(2, 4))
+    expected = first.snapshot()
+    first.checkpointer.close()
+    resumed = _Run(recipe, tp, backend, root)
+    assert resumed.checkpointer.load(step=2)
+    again = resumed.train(range(2, 4))
+    got = resumed.snapshot()
+    keys = sorted(set(expected) | set(got))
+    differ = [k for k in keys if k not in got or k not in expected or not torch.equal(_bytes(expected[k]), _bytes(got[k]))]
+    resumed.checkpointer.close()
+    return {"losses": losses, "again": again, "differ": differ, "n": len(keys)}
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "delayed"])
+def test_resume_through_torchtitans_checkpointer_is_bit_exact(pools, tmp_path, recipe):
+    """torchtitan's own ``CheckpointManager`` saves and loads the FP8 model and the masters
+    optimizer (delayed scaling: its amax histories too); the resumed run's losses, FP8 bytes,
+    scales, masters and optimizer state equal the uninterrupted run's byte for byte."""
+    out = pools[2].run(_resume, recipe, 1, "spmd_types", str(tmp_path))
+    for r in out:
+        assert r["differ"] == [] and r["n"] > LINEARS, r["differ"][:8]
+        assert r["again"] == r["losses"], r
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+def test_resume_fsdp_x_tp_is_bit_exact(pools, tmp_path):
+    out = pools[4].run(_resume, "mxfp8", 2, "spmd_types", str(tmp_path))
+    for r in out:
+        assert r["differ"] == [] and r["again"] == r["losses"], r["differ"][:8]
+
+
+# ---- in one process: the config-time refusals, the plain optimizer, the state-dict layout ------------
+def _built(recipe, filter_fqns=()):
+    with torch.device("meta"):
+        model = _model_config(recipe, filter_fqns).build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def test_converter_selects_by_config_and_refuses_what_it_cannot_convert():
+    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.common.linear import Linear
+
+    config = _model_config("mxfp8", filter_fqns=["lm_head", "layers.5"])
+    kinds = {fqn: type(c) for fqn, c, _, _ in config.traverse(Linear.Config)}
+    assert sum(k is FP8ParameterLinear.Config for k in kinds.values()) == 25
+    assert kinds["lm_head"] is Linear.Config and kinds["layers.5.feed_forward.w1"] is Linear.Config
+
+    bad = llama3_configs["debugmodel"](attn_backend="flex")
+    bad.lm_head = Linear.Config(in_features=256, out_features=2000)
+    with pytest.raises(d.RecipeError, match=r"(?s)nothing was converted.*lm_head.*filter_fqns=\['lm_head'\]"):
+        FP8ParameterConverter.Config(recipe="mxfp8").build().convert(bad)
+    assert all(type(c) is Linear.Config for _, c, _, _ in bad.traverse(Linear.Config))
+
+    tied = llama3_configs["1B"](attn_backend="flex")
+    with pytest.raises(d.RecipeError, match="tied to the token embedding"):
+        FP8ParameterConverter.Config(recipe="mxfp8").build().convert(tied)
+    with pytest.raises(d.RecipeError, match="unknown recipe 'fp4'"):
+        FP8ParameterConverter.Config(recipe="fp4").build()
+
+
+def test_torchtitans_own_optimizer_over_fp8_weights_is_refused_with_the_fix():
+    """torchtitan's ``OptimizersContainer`` (``default_adamw``) over the converted model: the first
+    forward and ``state_dict()`` refuse (the FP8 bytes are made by dtensor_fp8's container), and so
+    would its step, naming ``master_weight_adamw``."""
+    from torchtitan.components.optimizer import default_adamw
+
+    model = _built("mxfp8")
+    optimizers = default_adamw(lr=LR).build(model_parts=[model])
+    tokens = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(d.RecipeError, match="master_weight_adamw"):
+        model(tokens, positions=torch.arange(8)[None])
+    with pytest.raises(d.RecipeError, match="master_weight_adamw"):
+        model.state_dict()
+    d.finish_init_(model)  # bytes made by hand: then its step would write FP8 weights in place
+    model(tokens, positions=torch.arange(8)[None]).float().mean().backward()
+    with pytest.raises(NotImplementedError, match=r"(?s)updating FP8 weights in place.*master_weight_adamw"):
+        optimizers.step()
+
+
+def test_state_dict_layout_round_trips_and_refuses_another_recipe():
+    """What torchtitan's checkpointer keeps: tensors only, an FP8 weight's entry flattened, the
+    recipe as a uint8 tensor of its config; ``load_state_dict`` rebuilds the weights bit-exactly,
+    and a checkpoint of another recipe is refused naming both."""
+    model = _built("mxfp8")
+    master_weight_adamw(lr=LR).build(model_parts=[model])  # makes the FP8 bytes
+    sd = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    assert "layers.0.feed_forward.w1.weight" not in sd
+    assert '"MXFP8"' in recipe_from_tensor(sd["layers.0.feed_forward.w1.weight.recipe"])
+    fresh = _built("mxfp8")
+    master_weight_adamw(lr=LR).build(model_parts=[fresh])
+    fresh.load_state_dict({k: v.clone() for k, v in sd.items()})
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        if isinstance(a, d.QuantizedTensor):
+            for usage in a.planes:
+                assert torch.equal(a.planes[usage].data.view(torch.uint8), b.planes[usage].data.view(torch.uint8)), n
+        else:
+            assert torch.equal(a, b), n
+    with torch.device("meta"):
+        other = FP8ParameterLinear.Config(in_features=256, out_features=768, recipe="blockwise1d").build()
+    other.to_empty(device="cpu")
+    other.reset_parameters()
+    d.finish_init_(other)
+    prefix = "layers.0.attention.qkv_linear.wqkv."
+    with pytest.raises(d.RecipeError, match=r"(?s)holds this weight in MXFP8.*Blockwise"):
+        other.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
