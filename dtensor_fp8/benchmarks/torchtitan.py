@@ -130,11 +130,11 @@ def _run(rank: int, world: int, store: str, variant: str, out: str) -> None:
         by_dtype[str(dtype).removeprefix("torch.")] += received
     mine = {"received": counted.received, "by_dtype": dict(by_dtype), "peak": (rss1 - rss0) * 1024}
     gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=dist.group.WORLD)
     if rank == 0:
         with open(os.path.join(out, f"{variant}-{world}.json"), "w") as f:
             json.dump({"variant": variant, "world_size": world, "numel": numel, "ranks": gathered}, f)
-    dist.barrier()
+    dist.barrier(group=dist.group.WORLD)
     dist.destroy_process_group()
 
 
