@@ -187,6 +187,15 @@ def fsdp_group_reshards_after_forward(group) -> bool:
     return group.post_forward_mesh_info is not None
 
 
+def fsdp_group_reshards_to_smaller_mesh(group) -> bool:
+    """Whether an ``FSDPParamGroup`` keeps a shard over a smaller mesh after forward
+    (``fully_shard(..., reshard_after_forward=<int>)`` with 1 < int < shard group size: its
+    ``post_forward_mesh_info`` is neither ``None`` nor its ``mesh_info``; FSDP2's own test,
+    ``_use_post_forward_mesh``). torch 2.11, 2.13, 2.14, 2.15."""
+    info = group.post_forward_mesh_info
+    return info is not None and info is not group.mesh_info and info != group.mesh_info
+
+
 def fsdp_group_modules(group) -> tuple[nn.Module, ...]:
     """The modules ``fully_shard`` was applied to for this group (``FSDPParamGroup.modules``;
     torch 2.11, 2.13, 2.14, 2.15)."""

@@ -1,64 +1,97 @@
-"""FSDP2 all-gather extension: FP8 bytes on the wire, one direction per gather.
+"""FSDP2 all-gather extension: FP8 bytes on the wire, one direction per gather where one is enough.
 
 [Note: what each FSDP2 all-gather moves]
 ``fully_shard`` calls ``fsdp_pre_all_gather`` on each rank's local shard and
-``fsdp_post_all_gather`` on the gathered buffers. We choose the *usages* to gather
-(:func:`gather_usages`):
+``fsdp_post_all_gather`` on the gathered buffers (``fsdp_buffers.py`` makes the inputs and reads
+the outputs). We choose the *usages* a gather moves (:func:`gather_usages`) from the gathering
+``FSDPParamGroup``'s state at the gather:
 
-* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM);
+* forward gather of a group that reshards after forward: ``rowwise`` (forward GEMM); FSDP2 frees
+  the weight when this forward ends;
 * backward gather: ``columnwise`` (input-gradient GEMM);
-* a group that does not reshard after forward (the root by default, ``reshard_after_forward=False``)
-  gathers both in forward, because no backward gather will happen;
-* with activation checkpointing under the group, both, because the forward is recomputed inside
-  backward from the backward gather;
+* the first gather of a group that does not reshard after forward (the root by default,
+  ``reshard_after_forward=False``): both, because no backward gather follows;
+* with ``checkpoint_wrapper`` or composable ``checkpoint`` under the group, or a module marked with
+  :func:`gather_both_usages`: both, because the forward is recomputed inside backward from the
+  backward gather;
 * with a compiled module under the group (``block.compile()`` or ``torch.compile(block)`` before
-  ``fully_shard``, torchtitan's per-block compile), both, in forward *and* backward: a compiled
-  backward is traced together with its forward and reads the planes the forward's graph saved
-  (views of FSDP's all-gather buffers, which FSDP refills in place at the backward gather), so
-  both gathers must fill those buffers with the same planes. For per-tensor and 128x128 recipes
-  this costs nothing (one stored plane either way); MXFP8 and 1x128 move both planes twice.
+  ``fully_shard``, torchtitan's per-block compile): both, because a compiled backward is traced
+  together with its forward and reads the planes the forward's graph saved (views of FSDP's
+  all-gather buffers, which FSDP refills in place at the backward gather), so both gathers must
+  fill those buffers with the same planes.
 
-A module whose forward checkpoints or compiles in a way not detected here (``torch.utils.checkpoint``
-called inside ``forward``, a whole-model ``torch.compile`` over FSDP modules) is marked with
-:func:`gather_both_usages`.
+*The count rule.* FSDP2 sizes a parameter's all-gather outputs at its first gather, and every later
+gather must hand over the same number of inputs with the same dtypes and numels, or FSDP2 silently
+resizes them ("An output ... was resized") and corrupts the data. Rowwise-only and columnwise-only
+gathers satisfy it (equal data shapes; scale inputs padded to a slot that fits either grid), a
+gather of both planes does not: so a parameter's first gather fixes whether every gather of it
+carries both (``param_state.gather.gathers_both``). A group that gathered both once gathers both
+again if a backward gather ever follows (a pipeline schedule resharding the root after one
+micro-batch's backward while another's is pending).
 
-Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
-(only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
-the metadata, as every scale does on a one-rank mesh, where the "gather" is a local copy). FSDP
-sizes its all-gather outputs once, at the first gather, and every later gather must hand over
-the same number of inputs with the same dtypes and numels, or it silently resizes them ("An
-output ... was resized") and corrupts the data. Forward (rowwise) and backward
-(columnwise) gathers satisfy this: the data inputs are the same shape, and every scale input is
-padded to a per-recipe slot size that fits either direction's local scale grid.
+The plain schedule (``reshard_after_forward=True``, one forward and one backward per step) thus
+moves each weight's bytes once per direction: the figures ``tests/test_fsdp.py`` asserts.
+
+*What a gathered weight serves.* Per-tensor and 128x128 recipes store one plane that serves both
+directions (the columnwise plane is its transpose), so every gathered weight of those recipes
+declares both usages (:func:`fsdp_buffers.served_usages`), whichever direction was asked for: no
+schedule finds it lacking, at no wire cost. MXFP8 and 1x128 store two planes: a one-direction
+gather brings one.
+
+*Any schedule.* FSDP2 may run a forward on a weight still unsharded from a backward (gradient
+accumulation with ``set_reshard_after_backward(False)``, which ``torch.distributed.pipelining``
+sets for every micro-batch but the last, so 1F1B runs micro-batch k+1's forward on what k's
+backward gathered), or a forward inside a backward (``torch.utils.checkpoint`` around part of a
+block's ``forward``, which no structure shows beforehand). Such a read of a plane the gather did
+not bring *completes* the unsharded weight: an all-gather of that plane alone over FSDP2's group
+for the weight, kept until FSDP2 reshards it (``fsdp_completion.py``). Gathering both planes in
+such schedules instead would, by the count rule, have to be decided at the first gather, before
+the schedule is known (pipeline schedules flip ``reshard_after_backward`` per micro-batch), and
+cost two planes on every gather; completing costs one plane where a forward meets a backward-only
+gather, and nothing in the plain schedule. Per micro-batch of gradient accumulation that keeps
+the weights: forward rowwise (first micro-batch) or completed rowwise (later ones), backward
+columnwise; with ``reshard_after_forward=False`` the forward gathers both once and nothing is
+completed.
+
+*``reshard_after_forward=<int>``.* FSDP2 reshards to a smaller post-forward mesh only a parameter
+with one plain all-gather output, and cannot all-gather an extension's parameter from that state
+at all (torch 2.11 to 2.15), so the first gather of such a group switches it to
+``reshard_after_forward=True`` through FSDP2's own ``set_reshard_after_forward``, with a warning:
+the same results, the backward gathers over the whole shard group (in FP8). An int equal to the
+shard group size (FSDP2: ``True``) or to 1 (FSDP2: ``False``) needs nothing.
 
 On a one-rank mesh nothing is sent at all: the "gather" would be a copy of the shard, so the
-unsharded parameter views the shard's own planes instead (a QuantizedTensor over them, or for the
-weights of TE modules, where every TE buffer of the direction can be a view of the shard, a TE
-tensor, ``te.py``). An optimizer step rewrites the shard's bytes and scales in place, so an
-unsharded weight kept across a step (``set_reshard_after_backward(False)``) reads the new values,
-never old bytes with a new scale; FSDP2's own copy would keep the old ones until it gathers again.
+unsharded parameter views the shard's own planes instead, serving every usage the shard serves (a
+QuantizedTensor over them, or for the weights of TE modules, where every TE buffer of the
+direction can be a view of the shard, a TE tensor, ``te.py``). An optimizer step rewrites the
+shard's bytes and scales in place, so an unsharded weight kept across a step
+(``set_reshard_after_backward(False)``) reads the new values, never old bytes with a new scale;
+FSDP2's own copy would keep the old ones until it gathers again.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
 itself (the "transpose cache"), and dropped after use, so it never outlives the unsharded parameter.
+The unsharded weights of TE modules (``te.py``'s view) serve the gathered direction only and are
+not completed: TE's modules read TE's own tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
+import warnings
 import weakref
 from typing import Protocol
 
 import torch
 
 from . import _compat
-from .formats.base import COLUMNWISE, ROWWISE, Plane, RecipeError
-from .ops.slicing import check_shardable, slice_quantized
-from .tensor import QuantizedTensor, one_byte_as_uint8
-
-aten = torch.ops.aten
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
+from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, pack,
+                           planes_from_outputs, served_usages, unpack)
+from .fsdp_completion import GatheredWeight
+from .ops.slicing import slice_quantized
+from .tensor import QuantizedTensor
 
 
 # [Note: per-gather state]
@@ -116,9 +149,10 @@ def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> Non
 
 def _gathers_both(group) -> bool:
     """Whether every gather of ``group`` must carry both planes (see the note at the top). The
-    walk over every submodule is the costliest part of a gather's bookkeeping: callers keep the
-    answer (the owner record's ``gather.gathers_both``). Apply checkpointing and compile before
-    the first forward, as torch's own FSDP2 recipes and torchtitan do."""
+    walk over every submodule is the costliest part of a gather's bookkeeping: it runs at a
+    parameter's first gather, whose answer the owner record keeps (``gather.gathers_both``).
+    Apply checkpointing and compile before the first forward, as torch's own FSDP2 recipes and
+    torchtitan do."""
     wrapper_cls = _compat.checkpoint_wrapper_class()
     for root in _compat.fsdp_group_modules(group):
         for m in root.modules():
@@ -134,7 +168,10 @@ def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]
 
     Args:
         group: the ``FSDPParamGroup`` gathering (``None``: outside FSDP's unshard, deliver both).
-        gathers_both: whether ``group`` gathers both planes, if already known (else found here).
+        gathers_both: whether every gather of the weight carries both directions, fixed by its
+            first gather (FSDP2 sizes its all-gather buffers once: see the note at the top):
+            ``True``, ``False`` (one direction, this gather's), or ``None`` at the first gather
+            (found here from the group's modules and state).
 
     Example:
         >>> gather_usages(_compat.fsdp_param_group_of(linear))   # ("rowwise",) in forward
@@ -145,8 +182,8 @@ def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]
         return (ROWWISE, COLUMNWISE)
     if _compat.in_backward() or _compat.fsdp_group_in_backward(group):
         return (COLUMNWISE,)
-    if not _compat.fsdp_group_reshards_after_forward(group):  # no backward gather follows
-        return (ROWWISE, COLUMNWISE)
+    if gathers_both is None and not _compat.fsdp_group_reshards_after_forward(group):
+        return (ROWWISE, COLUMNWISE)  # the first gather of a weight no backward gather follows
     return (ROWWISE,)
 
 
@@ -160,10 +197,15 @@ GATHER_BOTH_ATTR = "_dtensor_fp8_gather_both"
 def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     """Mark ``module`` so FSDP gathers of its FP8 weights carry both planes.
 
-    Needed only when the module's forward calls ``torch.utils.checkpoint.checkpoint`` itself, or
-    when it runs compiled without ``module.compile()`` / ``torch.compile(module)`` on it or below
-    it (e.g. ``torch.compile`` of a whole model whose blocks are ``fully_shard``-ed). Call it
-    before the first forward: each FSDP group looks for these once.
+    Needed when the module runs compiled without ``module.compile()`` / ``torch.compile(module)``
+    on it or below it (e.g. ``torch.compile`` of a whole model whose blocks are ``fully_shard``-ed:
+    a compiled region cannot complete a weight). Optional when its forward calls
+    ``torch.utils.checkpoint.checkpoint`` itself: without it, MXFP8 and 1x128 weights read by the
+    recompute are completed by an all-gather of their rowwise plane at the recompute (not
+    prefetched); with it, every gather moves both planes (prefetched, twice the bytes). Also the
+    way out where ranks of the FSDP group may read different weights (data-dependent branches),
+    since completions must match across ranks. Call it before the first forward: each FSDP group
+    looks for these once.
 
     Example:
         >>> dtensor_fp8.gather_both_usages(block); fully_shard(block)
@@ -172,111 +214,15 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-# ---- all-gather inputs and outputs -------------------------------------------------------------------
-def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
-    """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
-    usages, so forward and backward gathers hand FSDP equal numels."""
-    return max(math.prod(q.recipe.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
-
-
-def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
-    return q.recipe.block_shape(usage).extent(0) is not None
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _GatherMetadata:
-    """What ``fsdp_post_all_gather`` needs to rebuild the planes from FSDP's output buffers."""
-
-    usages: tuple[str, ...]  # usages the gathered tensor serves
-    stored: tuple[str, ...]  # planes sent, in order (data, then scale where blocks lie along dim 0)
-    shared_scales: dict  # per-tensor scales: identical on every rank, not sent
-    padded_rows: int  # rows of each rank's (padded) shard
-    world: int
-    view: UnshardedView | None  # the owning module's registered view (te.py), or None: a QuantizedTensor
-    orig_rows: int  # rows of the unpadded full weight
-    cols: int  # columns of the weight (shards split rows only)
-    fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    packed_layout: list | None = None  # one-rank packing of all parts into one input (see below)
-    shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _GatherPlan:
-    """What one kind of gather of one weight sends; the same every step, so computed once."""
-
-    world: int
-    stored: tuple[str, ...]  # planes sent, in order
-    padded_rows: int  # rows of each rank's (padded) shard
-    pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
-    sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
-    scale_slot: int  # numel of every scale input (see _scale_slot_numel)
-    view: UnshardedView | None  # the owning module's registered view (te.py), or None
-    fp8_dtypes: tuple  # dtype of each plane in ``stored``
-    shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _PlanEntry:
-    """A gather's plan, and the last inputs it handed out while they can be handed out again."""
-
-    plan: _GatherPlan
-    last: tuple | None = None  # (inputs, metadata) of the last gather, reusable while the planes are the same
-    last_planes: tuple | None = None  # the plane tensors (QuantizedTensor.plane_tensors) those inputs view
-
-
-def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
-    """Raise a :class:`RecipeError` with the fix unless FSDP2 can gather ``usages`` of a weight of
-    ``outer_size`` sharded over ``world`` ranks."""
-    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    check_shardable(outer_size, q.recipe, 0, world, usages)
-    if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
-        # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
-        # padded shard's exact shape; block scales cannot. Raised on every rank alike.
-        padded_rows = -(-outer_size[0] // world)
-        raise RecipeError(
-            f"{q.recipe.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
-            f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
-            f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
-        )
-
-
-# [Note: where an FSDP2 sharding is refused]
-# Shard boundaries inside a block are refused at ``fully_shard`` itself: FSDP2 chunks the weight
-# with ``torch.chunk``, and the op table's split cuts whole blocks only (ops/slicing.py). Block
-# scales of uneven dim-0 shards are a limit of FSDP2's all-gather alone (every input must have the
-# padded shard's shape), not of the tensor op, so they are refused by the weight's first
-# ``fsdp_pre_all_gather``, which FSDP2 tells the full shape (``outer_size``) and the shard mesh: on
-# every rank alike (each checks the same shape and world size), before FSDP2 issues the collective,
-# with a RecipeError naming shape, world size and fix. Every direction the weight will be gathered
-# in is checked there, so a forward cannot succeed and its backward then fail. ``fully_shard``
-# offers no frame-free moment to do it earlier: ``FSDPParam.__init__`` looks the hook up on the new
-# shard before FSDP2 attaches the param group to its state (so the registry of
-# ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
-# parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
-def _gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...], module) -> _GatherPlan:
-    """The plan for one kind of gather, after checking that every gather of ``q`` is possible."""
-    every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
-    _check_gatherable(q, outer_size, world, every_usage)
-    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    padded_rows = -(-outer_size[0] // world)
-    sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
-    view = q.param_state.gather.unsharded_view
-    planes = q.planes
-    fp8_dtypes = tuple(planes[u].data.dtype if u in planes else q.recipe.fp8_dtype for u in stored)
-    # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
-    shard_view = world == 1 and (view is None or view.views_shard(q))
-    return _GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
-                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows), view=view,
-                       fp8_dtypes=fp8_dtypes, shard_view=shard_view)
-
-
-def _shard_view_gather(q: QuantizedTensor, plan: _GatherPlan, usages, outer_size):
-    """One rank (``_GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
+def _shard_view_gather(q: QuantizedTensor, plan: GatherPlan, usages, outer_size):
+    """One rank (``GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
     nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
     (:func:`_view_of_shard`, or the registered view's ``from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
-    metadata = _GatherMetadata(usages=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
+    # The shard's planes serve whatever the shard serves (the view is over all of them), except
+    # through a registered view (TE's buffers are built for the gathered direction).
+    served = usages if plan.view is not None else q.usages
+    metadata = GatherMetadata(usages=served, gathered=usages, stored=(), shared_scales={}, padded_rows=plan.padded_rows, world=1,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=(),
                                shard_view=True)
     return (empty,), metadata
@@ -298,21 +244,44 @@ def _param_group_of(q: QuantizedTensor, module):
                 f"FSDP2 state in torch {torch.__version__}'s module-state registry lists it. dtensor_fp8/_compat.py "
                 "reads FSDP2's state as torch 2.11, 2.13, 2.14 and 2.15 lay it out: use one of those versions, "
                 "or update _compat.fsdp_managed_params for this one.")
-        record.group, record.gathers_both = weakref.ref(group), _gathers_both(group)
+        record.group = weakref.ref(group)
+        if _compat.fsdp_group_reshards_to_smaller_mesh(group):
+            _reshard_fully_after_forward(group)
     return group
+
+
+def _reshard_fully_after_forward(group) -> None:
+    """Switch a group created with ``reshard_after_forward=<int>`` (a post-forward mesh smaller than
+    its shard group) to ``True``, which FSDP2 can do for all-gather extensions (see the note at the
+    top), through FSDP2's own setter, before the forward that is gathering ends."""
+    modules = _compat.fsdp_group_modules(group)
+    for m in modules:
+        m.set_reshard_after_forward(True, recurse=False)
+    names = ", ".join(type(m).__name__ for m in modules)
+    warnings.warn(
+        f"dtensor_fp8: fully_shard({names}, reshard_after_forward=<int>) keeps a smaller shard after forward, "
+        f"which FSDP2 (torch {torch.__version__}) cannot do for FP8 parameters (all-gather extensions); "
+        "this group reshards fully after forward instead (reshard_after_forward=True): the same results, "
+        "the backward all-gather runs over the whole shard group. Pass True or False to fully_shard to "
+        "silence this.", stacklevel=1)
 
 
 def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, module, mp_policy):
     self.check_bytes_made()  # a meta-built weight is quantized by finish_init_ before its first gather
+    record = self.param_state.gather
+    record.start_gather()  # FSDP2 gathers a sharded weight: the last gather's buffers are freed
     group = _param_group_of(self, module)
-    usages = gather_usages(group, gathers_both=self.param_state.gather.gathers_both)
+    usages = gather_usages(group, gathers_both=record.gathers_both)
+    if record.gathers_both is None:  # the first gather fixes how many planes every gather carries
+        record.gathers_both = len(usages) == len(USAGES)
     # The same few gathers repeat every step; their plans are kept in the owner record, keyed by
     # the mesh object FSDP holds for the parameter's lifetime.
-    plans = self.param_state.gather.plans
+    plans = record.plans
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
     if entry is None:
-        entry = plans[key] = _PlanEntry(_gather_plan(self, key[1], mesh.size(), usages, module))
+        world = mesh.size()
+        entry = plans[key] = PlanEntry(gather_plan(self, key[1], world, usages, mesh.get_group() if world > 1 else None))
         if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
             entry.last = _shard_view_gather(self, entry.plan, usages, key[1])
     plan = entry.plan
@@ -320,30 +289,13 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return entry.last
-    local = self
-    if plan.pad_rows:  # short last shard: pad to the padded shard size
-        local = aten.constant_pad_nd.default(local, [0, 0, 0, plan.pad_rows])
-    inputs, shared_scales = [], {}
-    local_planes = local.planes
-    for usage in plan.stored:
-        plane = local_planes[usage]
-        inputs.append(plane.data.contiguous().view(torch.uint8))
-        if usage in plan.sent_scales:
-            scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
-            padded = scale.new_zeros(plan.scale_slot)
-            padded[: scale.numel()] = scale
-            inputs.append(padded)
-        else:
-            # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
-            shared_scales[usage] = plane.scale_inv
-    metadata = _GatherMetadata(usages=usages, stored=plan.stored, shared_scales=shared_scales,
-                               padded_rows=plan.padded_rows, world=plan.world, view=plan.view,
-                               orig_rows=outer_size[0], cols=outer_size[1], fp8_dtypes=plan.fp8_dtypes)
-    if plan.world == 1 and len(inputs) > 1:
-        # With one rank FSDP2 skips the collective and copies only the *first* all-gather input
-        # (torch 2.13, FSDPParamGroup.wait_for_unshard): hand it every part packed in one buffer.
-        layout = [(t.dtype, t.shape, _padded_nbytes(t)) for t in inputs]
-        packed = torch.cat([_pad_bytes(t) for t in inputs])
+    inputs, shared_scales, local_planes = gather_inputs(self, plan)
+    metadata = GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
+                               shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
+                               view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
+                               fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group)
+    if plan.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first input of a one-rank "gather"
+        packed, layout = pack(inputs)
         return (packed,), dataclasses.replace(metadata, packed_layout=layout)
     result = tuple(inputs), metadata
     if not plan.pad_rows and not plan.sent_scales and all(
@@ -373,26 +325,6 @@ def _keep_shared_scales(record, planes: dict, shared_scales: dict) -> None:
         record.unsharded_scales = {u: planes[u].scale_inv for u in shared_scales}
 
 
-def _padded_nbytes(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // 4) * 4  # keep every part 4-byte aligned (fp32 scales)
-
-
-def _pad_bytes(t: torch.Tensor) -> torch.Tensor:
-    raw = t.reshape(-1).view(torch.uint8)
-    out = raw.new_zeros(_padded_nbytes(t))
-    out[: raw.numel()] = raw
-    return out
-
-
-def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
-    parts, offset = [], 0
-    for dtype, shape, nbytes in layout:
-        part = packed[offset : offset + math.prod(shape) * torch.empty((), dtype=dtype).element_size()]
-        parts.append(part.view(dtype).view(shape))
-        offset += nbytes
-    return parts
-
-
 #: The gathers after which the transpose cache is built here: backward-only ones, whose one consumer
 #: (the input-gradient GEMM) drops it after use. A gather of both planes (no reshard after forward,
 #: activation checkpointing, a compiled block) leaves it to the backward GEMM, which builds it on
@@ -401,53 +333,44 @@ def _unpack(packed: torch.Tensor, layout) -> list[torch.Tensor]:
 _BACKWARD_ONLY = (COLUMNWISE,)
 
 
-def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out, backward_only: bool):
     """The unsharded parameter of a one-rank gather: a QuantizedTensor over ``shard``'s own planes
-    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place)."""
+    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place), with
+    the transpose cache after a ``backward_only`` gather."""
     if out is None:
         view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages,
                                            param_state=shard.param_state)
     else:
         # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
         view = _compat.dtensor_local(out).repoint_(shard.planes, usages)
-    if usages == _BACKWARD_ONLY:
+    if backward_only:
         view.create_transpose_cache()
     return (view, ()) if out is None else None
 
 
-def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetadata, param_dtype, *, out=None):
-    usages = metadata.usages
+def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadata, param_dtype, *, out=None):
+    usages, backward_only = metadata.usages, metadata.gathered == _BACKWARD_ONLY
     if metadata.shard_view:  # one rank: the unsharded parameter views this shard
         if metadata.view is not None:
-            return metadata.view.from_shard(self, usages, param_dtype, out)
-        return _view_of_shard(self, usages, param_dtype, out)
+            return metadata.view.from_shard(self, metadata.gathered, param_dtype, out)
+        return _view_of_shard(self, usages, param_dtype, out, backward_only)
     if metadata.packed_layout is not None:
-        outputs = _unpack(outputs[0], metadata.packed_layout)
+        outputs = unpack(outputs[0], metadata.packed_layout)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
     out_local = _compat.dtensor_local(out) if out is not None else None
     record = self.param_state.gather
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
-    planes, i = {}, 0
-    for usage, fp8_dtype in zip(metadata.stored, metadata.fp8_dtypes, strict=True):
-        data = outputs[i].view(full_rows, k).view(fp8_dtype)
-        i += 1
-        if usage not in shared_scales:
-            gr, gc = self.recipe.block_shape(usage).grid((padded_rows, k))
-            scale_dtype = self.recipe.scale_inv_dtype
-            raw = outputs[i].view(world, -1)
-            i += 1
-            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
-            # dim 0 is the full grid because every shard is a whole number of blocks.
-            scale = raw[:, : gr * gc].reshape(world * gr, gc)
-            scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
-        else:
-            scale = _shared_scale(record, out_local, usage, shared_scales[usage])
-        planes[usage] = Plane(data, scale)
+    planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
+                                 padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
-        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, usages, out, metadata.orig_rows)
+        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
+                               metadata.orig_rows)
         _keep_shared_scales(record, planes, shared_scales)
         return result
+    if len(usages) < len(USAGES) and metadata.process_group is not None:
+        # One plane of two: a read of the other completes the weight (fsdp_completion.py).
+        record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
                                            param_state=self.param_state)
     if out is not None:
@@ -456,15 +379,16 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: _GatherMetada
         rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out_local.repoint_(trimmed.planes, trimmed.usages)
-        if usages == _BACKWARD_ONLY:
+        if backward_only:
             out_local.create_transpose_cache()
         _keep_shared_scales(record, planes, shared_scales)
         return
-    if usages == _BACKWARD_ONLY:
+    if backward_only:
         gathered.create_transpose_cache()
     _keep_shared_scales(record, planes, shared_scales)
-    # The planes are views of `outputs`, which FSDP already frees on reshard.
-    return gathered, ()
+    # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
+    # with them is the owner record's: a completion adds its buffers there.
+    return gathered, record.inner_tensors
 
 
 class _BoundPreAllGather:

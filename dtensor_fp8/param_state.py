@@ -25,6 +25,10 @@ per-gather plans, the        ``FP8ParamState.gather``                at the firs
 gathering FSDPParamGroup,     (a :class:`GatherState`)                group: from its registry,
 the unsharded weight's                                                ``_compat``) / with the record
 scale copies
+the current gather, planes    ``FP8ParamState.gather.gathered``,      at a gather of one of two        not saved
+completed on demand           ``.inner_tensors``                      stored planes / at the next
+                                                                      gather (FSDP2 frees completed
+                                                                      planes when it reshards)
 the unsharded view (TE)       ``FP8ParamState.gather.unsharded_view`` by ``quantize_te_module_`` /     not saved
                                                                       with the record
 mesh and placements (the      ``FP8ParamState.layout``                by the first caller that sees    not saved (the DTensor's own)
@@ -74,15 +78,22 @@ class GatherState:
 
     Attributes:
         plans: ``(id(mesh), outer size, usages, id(module))`` -> that kind of gather's plan and
-            its last inputs (``fsdp._PlanEntry``), made at its first gather.
+            its last inputs (``fsdp_buffers.PlanEntry``), made at its first gather.
         group: a weak reference to the ``FSDPParamGroup`` gathering the parameter, read once from
             FSDP2's registry; ``None`` before the first gather.
-        gathers_both: whether that group's gathers carry both planes (checkpointing or compile
-            under it), found once; ``None`` before.
+        gathers_both: whether every gather carries both directions (checkpointing or compile
+            under the group, or a first gather that wanted both: FSDP2 sizes its all-gather
+            buffers at the first gather, so that one fixes it for all); ``None`` before.
         unsharded_scales: the unsharded weight's own copies of per-tensor scales, by plane
             (``fsdp._shared_scale``).
         unsharded_view: what a gather hands out as the unsharded parameter where that is not a
             QuantizedTensor (``fsdp.UnshardedView``; TE modules' weights: ``te.FSDP_TE_VIEW``).
+        gathered: the current gather, where it brought one plane of a recipe that stores two
+            (``fsdp_completion.GatheredWeight``): a read of the other plane completes the unsharded weight
+            through it (:meth:`complete_`); ``None`` otherwise, and from the next gather on.
+        inner_tensors: the list FSDP2 holds as the parameter's "inner tensors to free": the
+            buffers a completion all-gathered, which FSDP2 frees when it reshards; emptied at
+            each gather (see the note in ``fsdp_completion.py``).
     """
 
     plans: dict = field(default_factory=dict)
@@ -90,10 +101,34 @@ class GatherState:
     gathers_both: bool | None = None
     unsharded_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     unsharded_view: object | None = None
+    gathered: object | None = None
+    inner_tensors: list = field(default_factory=list)
 
     def gathering_group(self):
         """The ``FSDPParamGroup`` kept by the first gather, or ``None``."""
         return self.group() if self.group is not None else None
+
+    def start_gather(self) -> None:
+        """Forget the previous gather's completion: FSDP2 resharded (and freed its buffers) before
+        gathering again."""
+        self.gathered = None
+        self.inner_tensors.clear()
+
+    def complete_(self, tensor, usage: str) -> bool:
+        """Give ``tensor`` (the unsharded weight of the current gather, or an alias of it) the
+        plane serving ``usage``, which its gather did not bring: ``True`` if it now holds it,
+        ``False`` if ``tensor`` is no such weight (then the caller raises as for any missing plane).
+
+        Args:
+            tensor: the :class:`~dtensor_fp8.tensor.QuantizedTensor` read.
+            usage: the usage read.
+
+        Example:
+            >>> w.param_state.gather.complete_(w, "rowwise")   # after a backward-only gather
+            True
+        """
+        gathered = self.gathered
+        return gathered is not None and gathered.complete_(tensor, usage)
 
 
 @dataclass(eq=False)

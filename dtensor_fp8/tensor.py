@@ -291,6 +291,10 @@ class QuantizedTensor(torch.Tensor):
         data_attr, scale_attr = PLANE_ATTRS[stored]
         data = getattr(self, data_attr)
         if usage not in self._usages or data is None:
+            # An FSDP2-gathered weight that a schedule reads in the other direction before FSDP2
+            # reshards it gets the plane from its owner (see fsdp.py); anything else raises.
+            if self._param_state.gather.complete_(self, usage):
+                return self.plane(usage)
             return self._missing_usage(usage)
         return Plane(data, getattr(self, scale_attr))
 

@@ -196,6 +196,13 @@ def _distributed_accessors():
                        and _compat.fsdp_param_group_of(model[1], shard0) is expected  # the shard decides
                        and _compat.fsdp_param_group_of(nn.Linear(2, 2)) is None)
     out["group_modules"] = _compat.fsdp_group_modules(expected) == (model[0],)
+    # Reshards after forward to its whole shard group (True) or not at all (the root): no smaller mesh.
+    out["smaller_mesh"] = not (_compat.fsdp_group_reshards_to_smaller_mesh(expected)
+                               or _compat.fsdp_group_reshards_to_smaller_mesh(root))
+    if world % 2 == 0 and world > 2:  # reshard_after_forward=2 of 4 ranks: FSDP2's post-forward mesh
+        small = nn.Linear(64, 64, bias=False).to(DEVICE)
+        fully_shard(small, mesh=mesh, reshard_after_forward=2)
+        out["smaller_mesh"] &= _compat.fsdp_group_reshards_to_smaller_mesh(fully_shard.state(small)._fsdp_param_group)
     seen = []
     real = dfsdp.gather_usages
 
@@ -214,7 +221,7 @@ def _distributed_accessors():
 
 @touches("dtensor_local", "strided_shard_class", "resolve_process_group", "all_gather_single",
          "fsdp_param_group_class", "fsdp_managed_params", "fsdp_param_group_of", "fsdp_group_modules",
-         "fsdp_group_in_backward", "fsdp_group_reshards_after_forward")
+         "fsdp_group_in_backward", "fsdp_group_reshards_after_forward", "fsdp_group_reshards_to_smaller_mesh")
 def test_distributed_accessors(pools):
     world = WORLD_SIZES[0]
     if world < 2:

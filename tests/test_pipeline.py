@@ -121,13 +121,9 @@ LAYOUTS = {
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 #: (layout, schedule) pairs run: every schedule where the stages are equal, GPipe for unequal stages (what
 #: differs there is which weights each stage's scaling collectives carry, not the order of micro-batches),
-#: interleaved (two one-block stages per rank) without TP. FSDP2 with reshard_after_forward=True under
-#: 1F1B / interleaved schedules runs a forward on a weight a backward left unsharded with one plane only:
-#: that needs the any-schedule gathers (branch i38sched), held back from main while an intermittent heap
-#: corruption seen after them is found (docs/README.md, Limitations); GPipe only there until then.
+#: interleaved (two one-block stages per rank) without TP
 CASES = [(layout, schedule) for layout in LAYOUTS for schedule in SCHEDULES
-         if (layout not in ("pp_fsdp_unequal", "pp_fsdp_reshard") or schedule == "gpipe")
-         and (layout != "pp_fsdp_tp" or schedule != "interleaved")]
+         if (layout != "pp_fsdp_unequal" or schedule == "gpipe") and (layout != "pp_fsdp_tp" or schedule != "interleaved")]
 
 
 def _layout(name: str, schedule: str) -> Layout:

@@ -1,0 +1,105 @@
+"""Completing an FSDP2-gathered FP8 weight with the plane its gather did not bring.
+
+[Note: completing an unsharded weight]
+A gather of an MXFP8 or 1x128 weight over several ranks brings one of its two stored planes when
+one direction is all that FSDP2's state asks for (``fsdp.gather_usages``). Some schedules then
+read the other one before FSDP2 reshards the weight: a forward on a weight kept from a backward
+(gradient accumulation with ``set_reshard_after_backward(False)``, 1F1B), a recompute inside a
+backward (``torch.utils.checkpoint`` around part of a block). ``QuantizedTensor.plane`` asks the
+weight's owner record (``param_state.gather.complete_``), which holds the current gather's
+:class:`GatheredWeight` (left by ``fsdp_post_all_gather``). It recognizes the unsharded weight and
+every alias of it (FSDP2's ``as_strided`` and ``nn.Parameter``, a GEMM's transpose view, a cast)
+by their data: views of FSDP2's all-gather buffers of this gather. The first read all-gathers the
+missing plane from every rank's shard over the process group FSDP2 gathers the weight on (the
+shard mesh FSDP2 hands the hook, never the default group; every rank of it runs the same schedule,
+so the collectives match), with the inputs the plain gather would send for that plane
+(``fsdp_buffers.gather_inputs``); later reads of other aliases reuse it. Its buffers go into the
+list FSDP2 holds as the parameter's inner tensors to free (``param_state.gather.inner_tensors``,
+returned by the first post-all-gather hook): FSDP2 frees them when it reshards the weight, as it
+frees its own buffers, and the next gather empties the list before FSDP2 would allocate them again.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _compat
+from .formats.base import USAGES, Plane, RecipeError
+from .fsdp_buffers import GatherMetadata, gather_inputs, gather_plan, planes_from_outputs
+from .ops.slicing import slice_quantized
+from .tensor import QuantizedTensor
+
+
+class GatheredWeight:
+    """One gather over several ranks that brought one plane of a recipe storing two, kept in the
+    owner record (``param_state.gather.gathered``) until the next gather: a read of the other plane
+    from the unsharded weight completes it here (see the note above).
+
+    Args:
+        shard: a weak reference to the local shard the gather sent.
+        metadata: the gather's :class:`GatherMetadata`.
+        planes: the gathered (padded) planes, views of FSDP2's all-gather buffers.
+    """
+
+    __slots__ = ("_shard", "_metadata", "_data_ptrs", "_completed")
+
+    def __init__(self, shard: weakref.ref, metadata: GatherMetadata, planes: dict[str, Plane]):
+        self._shard = shard
+        self._metadata = metadata
+        # The unsharded weight and every alias of it (FSDP2's as_strided and Parameter, a GEMM's
+        # transpose view, a dtype cast) hold views of these buffers: that is how they are known.
+        self._data_ptrs = frozenset(p.data.data_ptr() for p in planes.values())
+        self._completed: dict[str, Plane] = {}  # stored plane -> the full (padded) plane all-gathered
+
+    def _is_gathered_weight(self, t: QuantizedTensor) -> bool:
+        return any(p.data.data_ptr() in self._data_ptrs for p in t.planes.values())
+
+    def complete_(self, t: QuantizedTensor, usage: str) -> bool:
+        """Give ``t`` the plane serving ``usage`` if ``t`` is (an alias of) this gather's weight:
+        all-gathered at the first such read, handed out again to later ones. ``False`` otherwise,
+        and while torch.compile traces (a compiled region gathers both planes: see ``fsdp.py``)."""
+        if _compat.is_traced(t) or not self._is_gathered_weight(t):
+            return False
+        stored = t.recipe.stored_usage(usage)
+        plane = self._completed.get(stored)
+        if plane is None:
+            plane = self._completed[stored] = self._all_gather(t, stored)
+        m = self._metadata
+        full_rows = m.padded_rows * m.world
+        if t.shape[0] != full_rows:  # the unpadded weight: its rows of the full plane
+            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,))
+            plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
+        planes = t.planes
+        planes[stored] = plane
+        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage), t.transpose_cache)
+        return True
+
+    def _all_gather(self, t: QuantizedTensor, stored: str) -> Plane:
+        """The full plane ``stored``, all-gathered from every rank's shard over FSDP2's group for
+        this weight, into buffers FSDP2 frees when it reshards the weight."""
+        shard = self._shard()
+        m = self._metadata
+        if shard is None:  # the parameter was replaced since (e.g. a checkpoint load): nothing to gather from
+            raise RecipeError(
+                f"{t.recipe.name}: the unsharded FP8 weight of shape {tuple(t.shape)} is read for its {stored} plane, "
+                "which its FSDP2 gather did not bring, and the shard it was gathered from is gone (was the "
+                "parameter replaced while FSDP2 held it unsharded?). Call reshard() on the fully_shard-ed module "
+                "before replacing its parameters, or mark it with dtensor_fp8.gather_both_usages(module) so that "
+                "every gather brings both planes.")
+        if shard.device != t.device:  # FSDP2's CPU offload: the shard lives on the host
+            shard = shard.to(t.device)
+        plan = gather_plan(shard, (m.orig_rows, m.cols), m.world, (stored,), m.process_group)
+        inputs, shared_scales, _ = gather_inputs(shard, plan)
+        record = shard.param_state.gather
+        outputs = []
+        for inp in inputs:
+            flat = inp.reshape(-1)
+            gathered = flat.new_empty(flat.numel() * m.world)
+            torch.distributed.all_gather_into_tensor(gathered, flat, group=m.process_group)
+            outputs.append(gathered)
+            record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
+        planes = planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
+                                     m.padded_rows, m.world, m.cols, lambda u, live: live.clone())
+        return planes[stored]
