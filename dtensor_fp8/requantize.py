@@ -12,6 +12,9 @@ takes the next scale from TE's update rule.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -136,6 +139,23 @@ def _fingerprint(items) -> tuple:
     return tuple(out)
 
 
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic garbage collector off for the block. While a CUDA graph is captured, a
+    collection may destroy another graph (one kept alive only by a reference cycle), which CUDA
+    forbids during a capture and which invalidates it (seen on an H100 in the GPU suite of
+    2026-12-06: "operation not permitted when stream is capturing (function reset)", then "operation
+    failed due to a previous error during capture"). torch.cuda.graph collects beforehand only
+    under ``torch.compiler.config.force_cudagraph_gc``; a collection deferred is cheaper."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class GraphedRequantize:
     """Runs an optimizer step's requantization as a CUDA graph where it can.
 
@@ -180,7 +200,7 @@ class GraphedRequantize:
             return
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with _no_cyclic_gc(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 plan.run()
         except Exception as e:  # noqa: BLE001  (whatever failed to capture: eager from now on)
             self.enabled = False
