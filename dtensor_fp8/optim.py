@@ -153,6 +153,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+                    local.param_state.link_master_(master)  # writes into the weight update it (param_writes.py)
                     self._masters[p] = master
                     self._inner_of[p] = _local_alias(master)
                 else:

@@ -33,13 +33,21 @@ scaling decisions)                                                    layout_``)
 transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
                               cache``)                                or by the dgrad GEMM / after
                                                                       its one use
+the master it writes through  ``FP8ParamState.master`` (a weak        by ``MasterWeightOptimizer`` /   the optimizer's state dict
+                              reference to the optimizer's master)    with the optimizer               (``master``)
+where the weight lives        ``FP8ParamState.home`` (module, name)   by ``quantize_module_`` / never  not saved
+whether a meta-built weight   ``FP8ParamState.init_written``          ``False`` at ``to_empty``, True  not saved
+was written after to_empty                                            at its init's first write
 ============================  ======================================  ===============================  ==================================
 
 One ``FP8ParamState`` per parameter per rank: :func:`dtensor_fp8.quantize` makes it, and every
 tensor derived from that parameter (FSDP's shard, the unsharded weight FSDP gathers, views,
 slices) refers to the same record, so the FP8 GEMMs of a gathered weight update the state its
 checkpoint saves. The optimizer holds masters and its inner optimizer's state; it reads and
-writes the weight scaling state through this record and does not own it.
+writes the weight scaling state through this record and does not own it. Every write of new
+values into the weight (``copy_``, a high-precision load, the user's init of a meta-built weight)
+goes through ``param_writes.py``, which reads this record for the groups of its scale and the
+master it must keep equal to the written values.
 
 Operand scaling state is identical on every rank that holds the weight: a GEMM records its
 activation / gradient amax locally (``history[0]``, a running max), and the update that rolls
@@ -122,6 +130,36 @@ class FP8ParamState:
     operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     gather: GatherState = field(default_factory=GatherState)
     layout: tuple | None = None
+    #: a weak reference to the optimizer's master of this weight (``link_master_``); writes
+    #: update it (see ``param_writes.py``), ``to_empty`` is refused while it lives
+    master: "weakref.ref | None" = None
+    #: ``(weak reference to the module, attribute name)`` the weight is a parameter of, set by
+    #: ``quantize_module_``: a write into the local shard alone finds its DTensor (and so its
+    #: groups) there before anything else bound the layout
+    home: tuple | None = None
+    #: a meta-built weight: ``False`` once ``to_empty`` allocated it, ``True`` once its init wrote
+    #: it (``None``: not meta-built); ``finish_init_`` names the weights still ``False``
+    init_written: bool | None = None
+
+    def link_master_(self, master: torch.Tensor) -> None:
+        """Record ``master`` (an ``nn.Parameter``, a DTensor like the weight when sharded) as the
+        high-precision values every write of this weight keeps equal to the written ones.
+
+        Example:
+            >>> local.param_state.link_master_(opt.master_of(p))
+        """
+        self.master = weakref.ref(master)
+
+    def master_tensor(self) -> torch.Tensor | None:
+        """The linked master, or ``None`` (no optimizer, or it is gone)."""
+        return None if self.master is None else self.master()
+
+    def home_parameter(self) -> torch.Tensor | None:
+        """The parameter at :attr:`home` now (after ``fully_shard``: the DTensor), or ``None``."""
+        if self.home is None:
+            return None
+        module = self.home[0]()
+        return None if module is None else module._parameters.get(self.home[1])
 
     def weight_state(self, recipe, usage: str, plane) -> dict[str, torch.Tensor] | None:
         """The weight scaling state of ``usage``'s plane, created from the plane's current scale

@@ -48,7 +48,8 @@ from .formats.base import Plane, RecipeError
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
 from .placement import like, local_tensor, shard_dim
-from .requantize import local_slice, requantize_from_hp_
+from .param_writes import write_hp_values_
+from .requantize import local_slice
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
@@ -497,22 +498,12 @@ def write_staged_hp_values(model: nn.Module, staged: StagedHP) -> None:
     here fails for a reason of the values: they were checked when staged."""
     if staged.extra:
         model.load_state_dict(staged.extra, strict=False)
-    for param, local in staged.pending:
-        local_tensor(param).hp_init.copy_(local)  # the init values (shared by every alias)
     for target, local in staged.plain:
         target.copy_(local)
-    for master, local in staged.masters:
+    for master, local in staged.masters:  # the optimizer passed (the weights' own masters follow below too)
         local_tensor(master).copy_(local)
-    kept = {id(t): {u: dict(s) for u, s in local_tensor(t).param_state.weight_scaling.items()} for _, t, _ in staged.fp8}
-    for _, t, _ in staged.fp8:
-        local_tensor(t).param_state.weight_scaling.clear()
-    requantize_from_hp_(staged.fp8)
-    for _, t, _ in staged.fp8:
-        record = local_tensor(t).param_state
-        for usage, old in kept[id(t)].items():
-            for field, value in old.items():
-                value.copy_(record.weight_scaling[usage][field])
-            record.weight_scaling[usage] = old
+    # FP8 weights, and a meta-built weight's init values: through their owners (param_writes.py).
+    write_hp_values_([*staged.fp8, *((None, param, local) for param, local in staged.pending)])
 
 
 @torch.no_grad()

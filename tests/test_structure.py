@@ -30,8 +30,9 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 LAYERS = [
     ("recipes", ["settings", "_compat", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
-    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp", "tp", "comm"]),
-    ("training / checkpoint", ["requantize", "operand_scaling", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
+    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp", "tp", "comm", "requantize",
+                     "param_writes"]),
+    ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),
     ("top", ["te", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
 ]
