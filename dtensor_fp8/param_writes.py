@@ -68,15 +68,14 @@ def write_hp_values_(items) -> None:
     if not made:
         return
     # A new weight scaling state from the values (delayed scaling), into the record's own tensors.
-    kept = {id(local_tensor(w)): {u: dict(s) for u, s in local_tensor(w).param_state.weight_scaling.items()}
-            for _, w, _ in made}
-    for _, w, _ in made:
-        local_tensor(w).param_state.weight_scaling.clear()
+    records = [local_tensor(w).param_state for _, w, _ in made]
+    kept = {id(r): {u: dict(s) for u, s in r.weight_scaling.items()} for r in records}
+    for record in records:
+        record.weight_scaling.clear()
     requantize_from_hp_(made)
-    for _, w, values in made:
+    for (_, w, values), record in zip(made, records, strict=True):
         q = local_tensor(w)
-        record = q.param_state
-        for usage, old in kept[id(q)].items():
+        for usage, old in kept[id(record)].items():
             for key, value in old.items():
                 value.copy_(record.weight_scaling[usage][key])
             record.weight_scaling[usage] = old
