@@ -171,8 +171,15 @@ def _copy_(func, args, kwargs):
         plane.scale_inv.copy_(src_planes[usage].scale_inv)
     if dst.hp_init is not None and src.hp_init is not None:
         dst.hp_init.copy_(src.hp_init)
-    if dst.param_state is not src.param_state:  # a loaded checkpoint entry: its scaling states too
+    if dst.param_state is not src.param_state:
+        # Another weight's bytes (a loaded checkpoint entry): its scaling states too, and the
+        # master follows them (see param_writes.py); init values kept for a master that does not
+        # exist yet are stale now: it will start from these bytes.
         dst.param_state.copy_from_(src.param_state)
+        if dst.param_state.master_tensor() is not None:
+            dst.param_state.bytes_loaded = True
+        if src.hp_init is None and not dst.bytes_pending:
+            dst.take_hp_init()
     dst.discard_transpose_cache()
     return dst
 
