@@ -23,10 +23,12 @@ from .placement import local_tensor, shard_dim
 
 
 def sharded_dims(p: torch.Tensor) -> set[int]:
-    """Tensor dims sharded over any mesh dim."""
-    if not isinstance(p, DTensor):
+    """Tensor dims sharded over any mesh dim (a DTensor's, or those of the layout a local shard's
+    owner record is bound to: ``groups.layout_of``)."""
+    layout = groups.layout_of(p)
+    if layout is None:
         return set()
-    return {d for d in map(shard_dim, p.placements) if d is not None}
+    return {d for d in map(shard_dim, layout[1]) if d is not None}
 
 
 def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
