@@ -39,9 +39,9 @@ the master it writes through  ``FP8ParamState.master`` (a weak        by ``Maste
 where the weight lives        ``FP8ParamState.home`` (module, name)   by ``quantize_module_`` / never  not saved
 whether a meta-built weight   ``FP8ParamState.init_written``          ``False`` at ``to_empty``, True  not saved
 was written after to_empty                                            at its init's first write
-whether a load since the last ``FP8ParamState.bytes_loaded``,          at a load of the model's entry / not saved
-step brought bytes / the      ``master_loaded``                       the optimizer's state / at the
-master                                                                next step
+whether a load since the      ``FP8ParamState.bytes_loaded``,         at a load of the model's         not saved
+last step brought bytes /     ``master_loaded``                       entry / the optimizer's state /
+the master                                                            at the next step
 ============================  ======================================  ===============================  ==================================
 
 One ``FP8ParamState`` per parameter per rank: :func:`dtensor_fp8.quantize` makes it, and every
