@@ -42,12 +42,35 @@ Group = dist.ProcessGroup
 
 
 def _layout(p: torch.Tensor):
-    """``(mesh, placements)`` of a DTensor, or the layout its owner record was bound to, or ``None``."""
+    """``(mesh, placements)`` of a DTensor, or the layout its owner record was bound to, or ``None``.
+
+    A local shard whose record is not bound yet (a ``copy_`` into a weight right after
+    ``fully_shard``, before any optimizer or gather saw it) binds it from the parameter its record
+    says it is (``FP8ParamState.home``, set by ``quantize_module_``) when that parameter is a
+    DTensor over the same record."""
     if isinstance(p, DTensor):
         return p.device_mesh, tuple(p.placements)
     if isinstance(p, QuantizedTensor):
-        return p.param_state.layout
+        record = p.param_state
+        if record.layout is None:
+            home = record.home_parameter()
+            if isinstance(home, DTensor) and isinstance(home._local_tensor, QuantizedTensor) \
+                    and home._local_tensor.param_state is record:
+                bind_layout_(home)
+        return record.layout
     return None
+
+
+def layout_of(p: torch.Tensor):
+    """``(mesh, placements)`` of an FP8 parameter: its own for a DTensor, else the one its owner
+    record is bound to (or can bind from its home module), else ``None`` (a weight that is not
+    distributed: its scaling decisions are local).
+
+    Example:
+        >>> layout_of(model.w1.weight.to_local())[1]   # after fully_shard
+        (Shard(dim=0),)
+    """
+    return _layout(p)
 
 
 def bind_layout_(p: torch.Tensor) -> None:
@@ -174,4 +197,4 @@ def reduces(groups: Iterable[tuple[Group, ...]]) -> bool:
     return any(gs for gs in groups)
 
 
-__all__ = ["bind_layout_", "weight_groups", "mesh_groups", "max_over_", "union_over", "max_by_groups_", "reduces"]
+__all__ = ["bind_layout_", "layout_of", "weight_groups", "mesh_groups", "max_over_", "union_over", "max_by_groups_", "reduces"]

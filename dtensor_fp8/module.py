@@ -16,6 +16,7 @@ and one weight's transient.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -103,6 +104,7 @@ def quantize_module_(
     converted = [(sub, fp8_parameter_values(sub.weight.detach(), recipe, keep_hp_init)) for _, sub in targets]
     for sub, q in converted:  # nothing can fail from here on
         sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
+        q.param_state.home = (weakref.ref(sub), "weight")  # where writes find its DTensor (groups.py)
         register_state_dict_hooks(sub)
     return module
 
@@ -195,6 +197,14 @@ def finish_init_(model: nn.Module) -> list[str]:
     # The local tensors themselves (DTensor.to_local() would hand out aliases): their flags change.
     locals_ = [(name, p, dtensor_local(p)) for name, p in model.named_parameters()]
     pending = [(name, p, q) for name, p, q in locals_ if isinstance(q, QuantizedTensor) and q.bytes_pending]
+    unwritten = [f"{name} {tuple(p.shape)} ({q.recipe.name})" for name, p, q in pending if q.param_state.init_written is False]
+    if unwritten:
+        raise RecipeError(
+            f"finish_init_: {len(unwritten)} FP8 weight(s) built on the meta device were never written after "
+            f"model.to_empty(...): {', '.join(unwritten[:8])}{' ...' if len(unwritten) > 8 else ''}. They would train "
+            "from all-zero values. Fix: initialize them in your init (module.reset_parameters(), torch.nn.init.*, "
+            "weight.copy_(values)) or load them (dtensor_fp8.load_hp_checkpoint / load_hp_state_dict) before building "
+            "the optimizer or calling finish_init_")
     for name, _, q in pending:
         if q.is_meta or q.hp_init.is_meta:
             raise RecipeError(f"finish_init_: {name} is still on the meta device; call model.to_empty(device=...) "

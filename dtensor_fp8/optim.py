@@ -21,10 +21,11 @@ After the step every FP8 shard is requantized in place from its master (``requan
 [Note: optimizer state, as torch's utilities see it]
 ``state[p]`` of an FP8 parameter ``p`` holds ``"master"`` (a DTensor laid out like ``p``), the
 inner optimizer's state of that master (``exp_avg``, ... as DTensors laid out like ``p``;
-``step`` as it is) and, for stateful recipes (delayed scaling), the weight scaling state by plane
-(``"rowwise_amax_history"``, ``"rowwise_scale"``): saved here, beside the master it is updated
-from, but owned by the parameter's record (``QuantizedTensor.param_state``, see
-``param_state.py``), which this optimizer reads and writes. ``state[p]`` of a high-precision parameter
+``step`` as it is). The weight scaling state of stateful recipes (delayed scaling's
+``"rowwise_amax_history"``, ``"rowwise_scale"``) is the parameter's record's
+(``QuantizedTensor.param_state``, see ``param_state.py``), which this optimizer updates and which
+saves it in the weight's model state-dict entry; an optimizer state dict written before that
+(holding those keys) still loads them into the record. ``state[p]`` of a high-precision parameter
 holds the inner state of ``p``. ``state_dict()`` / ``load_state_dict()`` use torch's format
 (integer ids in ``param_groups`` order; ``torch.distributed.checkpoint.state_dict`` turns them into
 FQNs and back), so DCP reshards every entry.
@@ -63,6 +64,7 @@ from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
 from .operand_scaling import update_operand_scaling_
+from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
 from .optim_state import MASTER_KEY, StateView, as_global
 from .requantize import GraphedRequantize
@@ -153,6 +155,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+                    local.param_state.link_master_(master)  # writes into the weight update it (param_writes.py)
                     self._masters[p] = master
                     self._inner_of[p] = _local_alias(master)
                 else:
@@ -244,6 +247,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._sync_hyperparameters()
         materializing = self._hand_over_gradients()
+        if not materializing:  # (not torch's state-creating step, which set_state_dict runs before its loads)
+            masters_follow_loaded_bytes_(self._masters)  # a model-only load since the last step: the masters follow it
         if self.nonfinite != "ignore" and not materializing and self._gradients_not_finite():
             bad = self._nonfinite_parameters()
             self._drop_inner_gradients()
@@ -319,6 +324,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._inner.load_state_dict({"state": staged.inner_state, "param_groups": staged.inner_groups})
         for target, value in staged.masters:
             target.copy_(value)
+        master_loaded_(self._masters)
         for target, value in staged.scaling:
             target.copy_(value)
         for group, hyperparameters in staged.hyperparameters:
@@ -509,8 +515,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if cached is None or cached[0] is not value:
                 cached = self._views[(id(p), key)] = (value, as_global(ref, value))
             out[key] = cached[1]
-        if p in self._masters:
-            out.update(local_tensor(p).param_state.weight_entries())
         return out
 
 

@@ -11,9 +11,10 @@ recipe                        the tensor (``recipe``)                 at quantiz
 FP8 bytes and scales          the tensor's planes                     at quantization, or at           model state dict (plane tensors)
                                                                       :func:`finish_init_` for a
                                                                       meta build / never
-weight scaling state          ``FP8ParamState.weight_scaling``        with the bytes (stateful         optimizer state dict, beside the
-(delayed: amax history,                                               recipes only) / never            master (``<usage>_amax_history``)
-scale, per plane)
+weight scaling state          ``FP8ParamState.weight_scaling``        with the bytes (stateful         model state dict, in the weight's
+(delayed: amax history,                                               recipes only) / never            entry (``rowwise_amax_history``
+scale, per plane)                                                                                      ...; older checkpoints: under
+                                                                                                       the optimizer, still read)
 GEMM operand scaling state    ``FP8ParamState.operand_scaling``       with the record (recipes whose   model state dict, in the weight's
 (delayed: activation and                                              FP8 GEMMs keep state) / never    entry (``input_amax_history`` ...)
 gradient amax histories)
@@ -37,13 +38,24 @@ scaling decisions)                                                    layout_``)
 transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
                               cache``)                                or by the dgrad GEMM / after
                                                                       its one use
+the master it writes through  ``FP8ParamState.master`` (a weak        by ``MasterWeightOptimizer`` /   the optimizer's state dict
+                              reference to the optimizer's master)    with the optimizer               (``master``)
+where the weight lives        ``FP8ParamState.home`` (module, name)   by ``quantize_module_`` / never  not saved
+whether a meta-built weight   ``FP8ParamState.init_written``          ``False`` at ``to_empty``, True  not saved
+was written after to_empty                                            at its init's first write
+whether a load since the      ``FP8ParamState.bytes_loaded``,         at a load of the model's         not saved
+last step brought bytes /     ``master_loaded``                       entry / the optimizer's state /
+the master                                                            at the next step
 ============================  ======================================  ===============================  ==================================
 
 One ``FP8ParamState`` per parameter per rank: :func:`dtensor_fp8.quantize` makes it, and every
 tensor derived from that parameter (FSDP's shard, the unsharded weight FSDP gathers, views,
 slices) refers to the same record, so the FP8 GEMMs of a gathered weight update the state its
 checkpoint saves. The optimizer holds masters and its inner optimizer's state; it reads and
-writes the weight scaling state through this record and does not own it.
+writes the weight scaling state through this record and does not own it. Every write of new
+values into the weight (``copy_``, a high-precision load, the user's init of a meta-built weight)
+goes through ``param_writes.py``, which reads this record for the groups of its scale and the
+master it must keep equal to the written values.
 
 Operand scaling state is identical on every rank that holds the weight: a GEMM records its
 activation / gradient amax locally (``history[0]``, a running max), and the update that rolls
@@ -66,10 +78,37 @@ import torch
 OPERANDS = ("input", "grad")
 
 
+#: The plane tensors of a weight's state-dict entry (``"<usage>_data"``, ``"<usage>_scale_inv"``);
+#: its other ``"<usage>_<field>"`` entries are the weight scaling state's.
+PLANE_FIELDS = ("data", "scale_inv")
+_USAGES = ("rowwise", "columnwise")
+
+
 def is_operand_state_entry(key: str) -> bool:
     """Whether a state-dict key (``...weight.input_amax_history``) is an operand scaling state's: an
     entry a checkpoint written before these were saved lacks (see ``state_dict.py``)."""
     return key.rsplit(".", 1)[-1].split("_", 1)[0] in OPERANDS
+
+
+def is_weight_state_entry(key: str) -> bool:
+    """Whether a state-dict key (``...weight.rowwise_amax_history``) is a weight scaling state's
+    (``"<usage>_<field>"`` other than the plane tensors): saved in the weight's model entry, and
+    under the optimizer's state by checkpoints written before (``checkpoint/save_load.py`` reads
+    those where the model entry asks for them).
+
+    Example:
+        >>> is_weight_state_entry("w.rowwise_scale"), is_weight_state_entry("w.rowwise_scale_inv")
+        (True, False)
+    """
+    usage, _, name = key.rsplit(".", 1)[-1].partition("_")
+    return usage in _USAGES and name not in PLANE_FIELDS
+
+
+def is_scaling_state_entry(key: str) -> bool:
+    """An operand's or the weight's scaling state entry: what a checkpoint written before such
+    states were saved in the model's entry lacks (``load_checkpoint(..., strict=False)`` names it
+    missing and it starts afresh)."""
+    return is_operand_state_entry(key) or is_weight_state_entry(key)
 
 
 @dataclass(eq=False)
@@ -157,6 +196,43 @@ class FP8ParamState:
     operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     gather: GatherState = field(default_factory=GatherState)
     layout: tuple | None = None
+    #: a weak reference to the optimizer's master of this weight (``link_master_``); writes
+    #: update it (see ``param_writes.py``), ``to_empty`` is refused while it lives
+    master: "weakref.ref | None" = None
+    #: ``(weak reference to the module, attribute name)`` the weight is a parameter of, set by
+    #: ``quantize_module_``: a write into the local shard alone finds its DTensor (and so its
+    #: groups) there before anything else bound the layout
+    home: tuple | None = None
+    #: a meta-built weight: ``False`` once ``to_empty`` allocated it, ``True`` once its init wrote
+    #: it (``None``: not meta-built); ``finish_init_`` names the weights still ``False``
+    init_written: bool | None = None
+    #: FP8 bytes were loaded from a checkpoint's entry (``model.load_state_dict``) since the last
+    #: step; with :attr:`master_loaded` both sides of one checkpoint came in (in either order, as
+    #: ``set_state_dict`` loads the optimizer first), else the master follows the loaded bytes at
+    #: the next step (``param_writes.masters_follow_loaded_bytes_``)
+    bytes_loaded: bool = False
+    #: the optimizer's master was loaded (``MasterWeightOptimizer.load_state_dict``) since the last step
+    master_loaded: bool = False
+
+    def link_master_(self, master: torch.Tensor) -> None:
+        """Record ``master`` (an ``nn.Parameter``, a DTensor like the weight when sharded) as the
+        high-precision values every write of this weight keeps equal to the written ones.
+
+        Example:
+            >>> local.param_state.link_master_(opt.master_of(p))
+        """
+        self.master = weakref.ref(master)
+
+    def master_tensor(self) -> torch.Tensor | None:
+        """The linked master, or ``None`` (no optimizer, or it is gone)."""
+        return None if self.master is None else self.master()
+
+    def home_parameter(self) -> torch.Tensor | None:
+        """The parameter at :attr:`home` now (after ``fully_shard``: the DTensor), or ``None``."""
+        if self.home is None:
+            return None
+        module = self.home[0]()
+        return None if module is None else module._parameters.get(self.home[1])
 
     def weight_state(self, recipe, usage: str, plane) -> dict[str, torch.Tensor] | None:
         """The weight scaling state of ``usage``'s plane, created from the plane's current scale

@@ -12,6 +12,9 @@ takes the next scale from TE's update rule.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -20,10 +23,12 @@ from .placement import local_tensor, shard_dim
 
 
 def sharded_dims(p: torch.Tensor) -> set[int]:
-    """Tensor dims sharded over any mesh dim."""
-    if not isinstance(p, DTensor):
+    """Tensor dims sharded over any mesh dim (a DTensor's, or those of the layout a local shard's
+    owner record is bound to: ``groups.layout_of``)."""
+    layout = groups.layout_of(p)
+    if layout is None:
         return set()
-    return {d for d in map(shard_dim, p.placements) if d is not None}
+    return {d for d in map(shard_dim, layout[1]) if d is not None}
 
 
 def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -136,6 +141,23 @@ def _fingerprint(items) -> tuple:
     return tuple(out)
 
 
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Python's cyclic garbage collector off for the block. While a CUDA graph is captured, a
+    collection may destroy another graph (one kept alive only by a reference cycle), which CUDA
+    forbids during a capture and which invalidates it (seen on an H100 in the GPU suite of
+    2026-12-06: "operation not permitted when stream is capturing (function reset)", then "operation
+    failed due to a previous error during capture"). torch.cuda.graph collects beforehand only
+    under ``torch.compiler.config.force_cudagraph_gc``; a collection deferred is cheaper."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class GraphedRequantize:
     """Runs an optimizer step's requantization as a CUDA graph where it can.
 
@@ -180,7 +202,7 @@ class GraphedRequantize:
             return
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with _no_cyclic_gc(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 plan.run()
         except Exception as e:  # noqa: BLE001  (whatever failed to capture: eager from now on)
             self.enabled = False

@@ -14,9 +14,12 @@
 
 The last four are the FP8 GEMMs' operand scaling state (delayed scaling only, see
 ``param_state.py``): plain tensors, the same on every rank (their amaxes are all-reduced), so any
-world size loads them. A checkpoint written before they were saved lacks them: it loads with
-``load_checkpoint(..., strict=False)``, which names them as missing, and they start afresh, as
-they did then.
+world size loads them. Delayed scaling's weight scaling state (``"rowwise_amax_history"``,
+``"rowwise_scale"``) is there too: the weight's owner record saves all of its state in this one
+entry (checkpoints written before kept the weight's under the optimizer's state:
+``load_checkpoint`` reads it from there). A checkpoint written before either was saved lacks them:
+it loads with ``load_checkpoint(..., strict=False)``, which names them as missing, and they start
+afresh, as they did then.
 
 Each tensor is a DTensor with the parameter's mesh: data keeps the parameter's placements, a scale
 grid is sharded on the same dims where its blocks lie inside shards and replicated where one block
@@ -48,7 +51,8 @@ from .formats.base import Plane, RecipeError
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
 from .placement import like, local_tensor, shard_dim
-from .requantize import local_slice, requantize_from_hp_
+from .param_writes import write_hp_values_
+from .requantize import local_slice
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
@@ -82,8 +86,11 @@ def plane_entries(param: torch.Tensor) -> dict:
     q = local_tensor(param)
     q.check_bytes_made()
     entry = {RECIPE_KEY: recipe_config(q.recipe)}
-    q.param_state.ensure_operand_states(q.recipe, q.device)
-    for name, value in q.param_state.operand_entries().items():
+    record = q.param_state
+    record.ensure_operand_states(q.recipe, q.device)
+    for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
+        record.weight_state(q.recipe, usage, plane)
+    for name, value in record.entries().items():  # the owner saves its scaling states, once
         entry[name] = value.detach().clone()
     for usage, plane in q.planes.items():
         data = one_byte_as_uint8(plane.data).clone()
@@ -167,12 +174,16 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
             )
         planes[usage] = Plane(data.to(plane.data.device).view(plane.data.dtype),
                               scale.to(plane.data.device).view(plane.scale_inv.dtype))
-    # The operand scaling states the entry holds ride on the rebuilt tensor's own record; the
-    # parameter's copy_ copies them into its record (an older checkpoint without them: none).
+    # The scaling states the entry holds ride on the rebuilt tensor's own record; the parameter's
+    # copy_ copies them into its record (an older checkpoint without them: none).
     own = q.param_state.ensure_operand_states(q.recipe, q.device)
-    loaded_state = FP8ParamState(operand_scaling={
-        op: {k: local_tensor(entry[f"{op}_{k}"]).to(v.device) for k, v in state.items()}
-        for op, state in own.items() if all(f"{op}_{k}" in entry for k in state)})
+    weight = {usage: q.param_state.weight_state(q.recipe, usage, plane) for usage, plane in q.planes.items()}
+
+    def saved(states):
+        return {name: {k: local_tensor(entry[f"{name}_{k}"]).to(v.device) for k, v in state.items()}
+                for name, state in states.items() if state is not None and all(f"{name}_{k}" in entry for k in state)}
+
+    loaded_state = FP8ParamState(operand_scaling=saved(own), weight_scaling=saved(weight))
     loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
@@ -497,22 +508,12 @@ def write_staged_hp_values(model: nn.Module, staged: StagedHP) -> None:
     here fails for a reason of the values: they were checked when staged."""
     if staged.extra:
         model.load_state_dict(staged.extra, strict=False)
-    for param, local in staged.pending:
-        local_tensor(param).hp_init.copy_(local)  # the init values (shared by every alias)
     for target, local in staged.plain:
         target.copy_(local)
-    for master, local in staged.masters:
+    for master, local in staged.masters:  # the optimizer passed (the weights' own masters follow below too)
         local_tensor(master).copy_(local)
-    kept = {id(t): {u: dict(s) for u, s in local_tensor(t).param_state.weight_scaling.items()} for _, t, _ in staged.fp8}
-    for _, t, _ in staged.fp8:
-        local_tensor(t).param_state.weight_scaling.clear()
-    requantize_from_hp_(staged.fp8)
-    for _, t, _ in staged.fp8:
-        record = local_tensor(t).param_state
-        for usage, old in kept[id(t)].items():
-            for field, value in old.items():
-                value.copy_(record.weight_scaling[usage][field])
-            record.weight_scaling[usage] = old
+    # FP8 weights, and a meta-built weight's init values: through their owners (param_writes.py).
+    write_hp_values_([*staged.fp8, *((None, param, local) for param, local in staged.pending)])
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ from packaging.version import Version
 from torch.distributed.fsdp import fully_shard
 
 import dtensor_fp8 as d
+from dtensor_fp8._compat import dtensor_local
 from dist_utils import WORLD_SIZES
 from test_hf_llama import FP8_WEIGHTS, _config, _global_mean, _snapshot, _tokens
 
@@ -187,22 +188,43 @@ def _export(out_dir):
     x = _tokens(99)
     with torch.no_grad():
         logits = model(input_ids=x).logits
-    return x, logits.float(), keys, kinds, masters_exported
+    return x, logits.float(), keys, kinds, masters_exported, _dequantized_shards(model)
+
+
+def _dequantized_shards(model) -> dict:
+    """Each FP8 weight's rows on this rank (FSDP2's even Shard(0)) and their values, dequantized
+    by the weight's own codec from its local rowwise plane: what the export must have written."""
+    out = {}
+    for name, p in accelerate.utils.extract_model_from_parallel(model).named_parameters():
+        local = dtensor_local(p)
+        if isinstance(local, d.QuantizedTensor):
+            assert [str(pl) for pl in p.placements] == ["S(0)"], p.placements
+            first = p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
+            out[name] = (first, local.dequantize(torch.bfloat16, usage="rowwise"))
+    return out
 
 
 def test_get_state_dict_and_save_pretrained_write_a_standard_model(pools, tmp_path):
     """Under ``dtensor_fp8.high_precision_state_dict``, ``accelerator.get_state_dict`` holds bf16
     tensors under the unquantized model's keys; ``save_pretrained`` writes them and
     ``from_pretrained`` (a plain ``LlamaForCausalLM``) gives the FP8 model's logits to bf16
-    precision (each weight is its FP8 value rounded to bf16: 2^-8 relative). With
+    precision (the other weights are rounded to bf16); each loaded FP8 weight equals, row for row,
+    its rank's rowwise plane dequantized by its codec (MXFP8's E4M3 values times power-of-two
+    scales are exact in bf16). With
     ``optimizer=opt`` (accelerate's wrapper) and fp32 it holds the masters, exactly."""
     out_dir = str(tmp_path / "hf")
-    x, logits, keys, kinds, masters_exported = pools[WORLD_SIZES[0]].run(_export, out_dir)[0]  # rank 0's
+    ranks = pools[WORLD_SIZES[0]].run(_export, out_dir)
+    x, logits, keys, kinds, masters_exported, _ = ranks[0]
     assert masters_exported  # optimizer=opt: the FP32 masters themselves, exactly
     assert keys == sorted(transformers.LlamaForCausalLM(_config()).state_dict())
     assert kinds == ["Tensor torch.bfloat16", "Tensor torch.float32"], kinds  # FP8 weights bf16, the rest as trained
     loaded = transformers.LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 and type(p) is torch.nn.Parameter for p in loaded.parameters())
+    weights = dict(loaded.named_parameters())
+    shards = [(name, first, values) for r in ranks for name, (first, values) in r[-1].items()]
+    assert len(shards) == FP8_WEIGHTS * len(ranks)
+    for name, first, values in shards:  # every row of every FP8 weight: its dequantized FP8 value, exactly
+        assert torch.equal(weights[name][first:first + len(values)], values), name
     with torch.no_grad():
         got = loaded(input_ids=x).logits.float()
     assert (got - logits).norm() / logits.norm() < 2e-2

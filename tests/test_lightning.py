@@ -80,6 +80,11 @@ def _train(recipe: str | None):
         optimizer.zero_grad()
         losses.append(_global_mean(out.loss.item()))
     fp8 = sum(isinstance(p.to_local(), d.QuantizedTensor) for p in model.parameters())
+    # Learning shows on a batch already trained on: the next batches' losses wander with the data
+    # at world size 1 (seen on an H100: 5.60, 5.54, 5.34, 5.53), so the first batch is scored again.
+    with torch.no_grad():
+        x = _tokens(0)
+        losses.append(_global_mean(model(input_ids=x, labels=x).loss.item()))
     return losses, sorted(dtypes), fp8
 
 
@@ -87,10 +92,11 @@ def _train(recipe: str | None):
 def test_model_parallel_strategy_bf16_mixed_trains_like_the_model_without_fp8(pools, recipe):
     """``bf16-mixed``: the FP8 linears' outputs are bf16 (autocast ran them), every FP8 weight stays an
     FP8 shard, and each loss is within 1 % of the model without FP8 under the same strategy and
-    precision (the FP8 rounding of the weights moved them by at most 0.13 % when measured)."""
+    precision (the FP8 rounding of the weights moved them by at most 0.13 % when measured). The last
+    loss is the first batch's again, after training."""
     ref, ref_dtypes, _ = pools[WORLD_SIZES[0]].run(_train, None)[0]
     losses, dtypes, fp8 = pools[WORLD_SIZES[0]].run(_train, recipe)[0]
-    assert ref[-1] < 0.95 * ref[0], ref
+    assert len(ref) == STEPS + 1 and ref[-1] < 0.95 * ref[0], ref
     assert dtypes == ref_dtypes == ["torch.bfloat16"]
     assert fp8 == FP8_WEIGHTS
     for a, b in zip(losses, ref):

@@ -88,7 +88,9 @@ CASES = {  # name -> (edit of the saved state, error class, what the message nam
                    ValueError, ["fc1.weight", "master", "torch.int32"]),
     "overflow-moment": (lambda s, i: s[i["fc1.bias"]].__setitem__("exp_avg", torch.full((128,), 1e300, dtype=torch.float64)),
                         FloatingPointError, ["exp_avg of fc1.bias", "beyond torch.float32's range"]),
-    "nan-scaling": (lambda s, i: s[i["fc2.weight"]]["rowwise_amax_history"].__setitem__(0, float("inf")),
+    # an optimizer state dict of the older layout (the weight scaling state under the optimizer) still loads it
+    "nan-scaling": (lambda s, i: s[i["fc2.weight"]].__setitem__(
+                        "rowwise_amax_history", torch.full((d.RECIPES["delayed"].amax_history_len,), float("inf"))),
                     FloatingPointError, ["rowwise_amax_history of fc2.weight", "NaN or Inf"]),
 }
 

@@ -30,8 +30,9 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 LAYERS = [
     ("recipes", ["settings", "_compat", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
-    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm"]),
-    ("training / checkpoint", ["requantize", "operand_scaling", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
+    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm",
+                     "requantize", "param_writes"]),
+    ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_state", "module", "state_dict", "checkpoint", "checkpoint.*",
                                "describe"]),
     ("top", ["te", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
 ]
@@ -324,3 +325,82 @@ def test_every_collective_names_its_group(name):
     assert not found, (f"dtensor_fp8/{MODULES[name].relative_to(PACKAGE)}: torch.distributed calls without a process "
                        f"group ({', '.join(found)}): pass the group derived from the weight's mesh (dtensor_fp8/groups.py), "
                        "or group=dist.group.WORLD where a whole-job command (a benchmark's main) means the world")
+
+
+# ---- formats/: no module imports a module that imports it back -----------------------------------------
+def _formats_imports(name: str) -> set[str]:
+    """What formats module ``name`` imports, type-only imports (``if TYPE_CHECKING:``) included, and
+    the kernel modules it imports by name at run time (``importlib.import_module(f"{__package__}.
+    triton_{name}")``: every ``formats.triton_*`` module the f-string's constant prefix matches)."""
+    deps = set(imports_of(name)[0])
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom) and stmt.level == 1 and stmt.module:
+                    deps.add(_ours(_package_parts(name) + stmt.module.split(".")))
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                and node.args and isinstance(node.args[0], ast.JoinedStr)):
+            parts = node.args[0].values
+            if (len(parts) >= 2 and isinstance(parts[0], ast.FormattedValue) and getattr(parts[0].value, "id", "") ==
+                    "__package__" and isinstance(parts[1], ast.Constant)):
+                prefix = ".".join(_package_parts(name)) + parts[1].value
+                deps |= {m for m in MODULES if m.startswith(prefix) and m != name}
+    return {d for d in deps if d in MODULES}
+
+
+def test_no_formats_module_imports_a_module_that_imports_it_back():
+    formats = {name for name in MODULES if name.startswith("formats.")}
+    graph = {name: _formats_imports(name) if name in formats else GRAPH[name] for name in MODULES}
+    assert "formats.triton_mxfp8" in graph["formats.triton_kernels"]  # the run-time import is read
+    assert "formats.te_binding" in graph["formats.base"]  # and the type-only one
+    found = sorted(c for c in _cycles(graph) if any(m in formats for m in c))
+    assert not found, ("import cycles through formats/ (move what both sides need into a leaf module, as planes.py "
+                       "and triton_switches.py are): " + "; ".join(" <-> ".join(c) for c in found))
+
+
+_RECORD_IMPORTS = r'''
+import builtins, importlib, json, sys
+edges, real = set(), builtins.__import__
+def record(name, globals=None, locals=None, fromlist=(), level=0):
+    module = real(name, globals, locals, fromlist, level)
+    importer = (globals or {}).get("__name__", "")
+    if importer.startswith("dtensor_fp8.formats"):
+        base = importlib.util.resolve_name("." * level + name, globals.get("__package__")) if level else name
+        for target in [base] + [f"{base}.{f}" for f in (fromlist or ())]:
+            if target in sys.modules and not hasattr(sys.modules[target], "__path__") and target != importer:
+                edges.add((importer, target))
+    return module
+builtins.__import__ = record
+real_import_module = importlib.import_module
+def record_by_name(name, package=None):  # importlib.import_module: the caller is the importer
+    module = real_import_module(name, package)
+    importer = sys._getframe(1).f_globals.get("__name__", "")
+    if importer.startswith("dtensor_fp8.formats") and module.__name__ != importer:
+        edges.add((importer, module.__name__))
+    return module
+importlib.import_module = record_by_name
+import dtensor_fp8
+from dtensor_fp8.formats import triton_kernels
+if triton_kernels._importable():
+    for name in ("mxfp8", "blockwise", "per_tensor"):
+        triton_kernels.kernels(name)
+print(json.dumps(sorted(edges)))
+'''
+
+
+def test_formats_imports_at_run_time_have_no_cycle():
+    """The same, as Python runs the imports (the Triton kernel modules too, where Triton is installed)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _RECORD_IMPORTS], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent, env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)})
+    graph: dict[str, set[str]] = {}
+    for a, b in json.loads(out.stdout.strip().splitlines()[-1]):
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    assert graph, "no import of formats/ was recorded"
+    found = sorted(_cycles(graph))
+    assert not found, "formats/ imports that come back at run time: " + "; ".join(" <-> ".join(c) for c in found)

@@ -1,7 +1,8 @@
 """torchtitan 0.3 with dtensor_fp8's converter, driven through torchtitan's own functions: its
 Llama3 debug model config (``model_registry``), the converter applied by that config, its sharding
 config and ``parallelize_llama`` (FSDP2 on 2 ranks; FSDP2 x TP on 4; the default ``spmd_types``
-backend and the DTensor one), ``init_weights``, its optimizers container, LR schedulers, loss and
+backend and the DTensor one; pipeline x FSDP2 on 4, pp=2 x dp=2, through ``pipeline_llm`` and the
+1F1B / GPipe schedule it builds), ``init_weights``, its optimizers container, LR schedulers, loss and
 DCP ``CheckpointManager`` (dtensor_fp8/integrations/torchtitan.py).
 
 What differs from torchtitan's trainer, and why (a CPU over gloo; the trainer itself imports the
@@ -12,6 +13,8 @@ What differs from torchtitan's trainer, and why (a CPU over gloo; the trainer it
   backward; its config helper refuses "sdpa" for language models, so the config is set here);
 * the sharding config comes from ``set_llama3_sharding_config`` (what the trainer's
   ``update_from_config`` calls; that method imports the trainer);
+* the training step is the trainer's ``forward_backward_step`` / ``pp_forward_backward_step``
+  written out (forward, loss, backward; or ``pp_schedule.step`` over micro-batches);
 * FSDP reduce-scatters with a SUM (``set_force_sum_reduction_for_comms``): gloo has no PREMUL_SUM,
   which torchtitan's gradient-divide factor of 1 asks for; the sum is the same.
 
@@ -71,26 +74,14 @@ class _Run:
     """One torchtitan training setup on this rank: model, optimizers, schedulers, checkpointer."""
 
     def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None):
-        import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
-        from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-        from torchtitan.distributed import ParallelDims, utils as dist_utils
+        from torchtitan.config import CompileConfig
         from torchtitan.models.llama3 import parallelize_llama
 
-        device = backend_spec(BACKEND).device
-        parallel_dims_module.device_type = device
-        self.backend = backend
-        parallelism = ParallelismConfig(spmd_backend=backend, tensor_parallel_degree=tp)
-        training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
-        dist_utils.set_spmd_backend(backend)
-        key = (backend, tp, dist.get_world_size())
-        if key not in _PARALLEL_DIMS:  # one set of meshes per rank process: FSDP's spmd_types path matches mesh objects
-            _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
-            _PARALLEL_DIMS[key].build_mesh()
-        self.dims = _PARALLEL_DIMS[key]
+        device, parallelism, training = self._setup(backend, tp)
         with torch.device("meta"):
             model = _model_config(recipe, enable_sp=False).build()
         torch.manual_seed(0)  # init_weights draws the same values with and without FP8
@@ -117,20 +108,44 @@ class _Run:
                                                          last_save_model_only=False).build(
                 dataloader=None, model_parts=[model], optimizers=self.optimizers, lr_schedulers=self.schedulers,
                 states={}, sd_adapter=None, base_folder=ckpt_dir)
+
+    def _setup(self, backend: str, tp: int, pp: int = 1, schedule: str = "1F1B"):
+        """torchtitan's configs and ``ParallelDims`` (its meshes) for this layout; the device."""
+        import torchtitan.distributed.parallel_dims as parallel_dims_module
+        from torchtitan.config import ParallelismConfig, TrainingConfig
+        from torchtitan.distributed import ParallelDims, utils as dist_utils
+
+        device = backend_spec(BACKEND).device
+        parallel_dims_module.device_type = device
+        self.backend = backend
+        parallelism = ParallelismConfig(spmd_backend=backend, tensor_parallel_degree=tp, pipeline_parallel_degree=pp,
+                                        pipeline_parallel_schedule=schedule)
+        training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
+        dist_utils.set_spmd_backend(backend)
+        key = (backend, tp, pp, dist.get_world_size())
+        if key not in _PARALLEL_DIMS:  # one set of meshes per rank process: FSDP's spmd_types path matches mesh objects
+            _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
+            _PARALLEL_DIMS[key].build_mesh()
+        self.dims = _PARALLEL_DIMS[key]
         self.batch_mesh = self.dims.get_mesh("batch") if self.dims.dp_enabled else None
         self.dp = self.batch_mesh.size() if self.batch_mesh is not None else 1
+        return device, parallelism, training
+
+    def _batch(self, step: int):
+        """This data-parallel rank's rows of one of two fixed batches (the loss falls by memorizing them)."""
+        rank = self.batch_mesh.get_local_rank() if self.batch_mesh is not None else 0
+        tokens = torch.randint(0, VOCAB, (self.dp * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
+        mine = tokens[rank * BATCH:(rank + 1) * BATCH]
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
 
     def train(self, steps) -> list[float]:
-        """Steps over two fixed batches (the loss falls by memorizing them); the global mean loss."""
+        """Steps over two fixed batches; the global mean loss."""
         from torchtitan.distributed import utils as dist_utils
         from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
-        rank = self.batch_mesh.get_local_rank() if self.batch_mesh is not None else 0
         losses = []
         for step in steps:
-            tokens = torch.randint(0, VOCAB, (self.dp * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
-            mine = tokens[rank * BATCH:(rank + 1) * BATCH]
-            inputs, labels = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+            inputs, labels = self._batch(step)
             extra = {"positions": torch.arange(SEQ).expand(BATCH, SEQ).contiguous()}
             if self.backend == "spmd_types":
                 inputs, labels, extra = annotate_input_spmd_types(self.dims, inputs, labels, extra)
@@ -148,13 +163,16 @@ class _Run:
         return losses
 
     def fp8_weights(self) -> dict[str, str]:
-        return {n: repr(dtensor_local(p).recipe) for n, p in self.model.named_parameters()
+        return {n: repr(dtensor_local(p).recipe) for n, p in self._named_parameters()
                 if isinstance(dtensor_local(p), d.QuantizedTensor)}
+
+    def _named_parameters(self):
+        return list(self.model.named_parameters())
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Every parameter's local bytes (FP8 planes), each master's and the optimizer state's."""
         out = {}
-        for n, p in self.model.named_parameters():
+        for n, p in self._named_parameters():
             local = dtensor_local(p)
             if isinstance(local, d.QuantizedTensor):
                 for usage, plane in local.planes.items():
@@ -257,6 +275,154 @@ def test_resume_fsdp_x_tp_is_bit_exact(pools, tmp_path):
     out = pools[4].run(_resume, "mxfp8", 2, "spmd_types", str(tmp_path))
     for r in out:
         assert r["differ"] == [] and r["again"] == r["losses"], r["differ"][:8]
+
+
+# ---- pipeline parallelism over FSDP2: torchtitan's pipeline_llm, its schedule, its checkpointer ------
+class _PipelineRun(_Run):
+    """One torchtitan pp=2 x dp=2 setup on this rank, as its trainer builds it: ``pipeline_llm``
+    splits the meta model into this rank's stage, applies ``parallelize_llama`` to it (FSDP2 with
+    torchtitan's PP policy, ``reshard_after_forward=False``) and builds the schedule the config
+    names; then ``to_empty`` / ``init_weights`` per model part, the optimizers container over the
+    parts, and ``pp_schedule.step`` over micro-batches of one sequence (the trainer's
+    ``pp_forward_backward_step``)."""
+
+    def __init__(self, recipe, schedule: str, ckpt_dir: str | None = None):
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.checkpoint import CheckpointManager
+        from torchtitan.components.loss import CrossEntropyLoss
+        from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+        from torchtitan.config import CompileConfig
+        from torchtitan.models.llama3 import parallelize_llama
+        from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+        device, parallelism, training = self._setup("spmd_types", tp=1, pp=2, schedule=schedule)
+        config = _model_config(recipe)
+        with torch.device("meta"):
+            model = config.build()
+        self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
+        self.schedule, parts, self.first, self.last = pipeline_llm(
+            model, parallel_dims=self.dims, training=training, parallelism=parallelism,
+            compile_config=CompileConfig(), ac_config=None, dump_folder="", device=torch.device(device),
+            model_config=config, parallelize_fn=parallelize_llama, loss_fn=self.loss_fn)
+        self.parallelized = {n: (type(dtensor_local(p)).__name__, getattr(dtensor_local(p), "recipe", None))
+                             for part in parts for n, p in part.named_parameters()}
+        # FSDP2 keeps a post-forward mesh exactly for modules that reshard after forward
+        groups = [m._get_fsdp_state()._fsdp_param_group for part in parts for m in part.modules()
+                  if isinstance(m, FSDPModule)]
+        self.reshard_after_forward = sorted({g.post_forward_mesh_info is not None for g in groups if g is not None})
+        torch.manual_seed(0)
+        for part in parts:
+            if BACKEND != "nccl":
+                for m in part.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_force_sum_reduction_for_comms(True)
+            part.to_empty(device=device)
+            with torch.no_grad():
+                part.init_weights(buffer_device=None)
+            part.train()
+        self.parts = parts
+        self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=parts)
+        self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
+                                                                             training_steps=16)
+        self.checkpointer = None
+        if ckpt_dir is not None:
+            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
+                                                         last_save_model_only=False).build(
+                dataloader=None, model_parts=parts, optimizers=self.optimizers, lr_schedulers=self.schedulers,
+                states={}, sd_adapter=None, base_folder=ckpt_dir)
+
+    def train(self, steps) -> list[float]:
+        """Like ``_Run.train``, through the schedule: the last stage's summed micro-batch losses,
+        summed over the batch mesh and broadcast from the last stage over the ``pp`` group."""
+        from torchtitan.distributed.spmd_types import annotate_input_spmd_types
+
+        pp_group = self.dims.get_mesh("pp").get_group()
+        last_rank = dist.get_global_rank(pp_group, self.dims.get_mesh("pp").size() - 1)
+        losses = []
+        for step in steps:
+            inputs, labels = self._batch(step)
+            arg_mbs, kwarg_mbs, target_mbs = [], [], []
+            for i in range(BATCH):  # micro-batches of one sequence (pipeline_parallel_microbatch_size=1)
+                x, y, extra = annotate_input_spmd_types(self.dims, inputs[i:i + 1], labels[i:i + 1],
+                                                        {"positions": torch.arange(SEQ)[None]})
+                arg_mbs.append((x,))
+                kwarg_mbs.append(extra)
+                target_mbs.append(y)
+            mb_losses = [] if self.last else None
+            self.schedule.step(arg_mbs=arg_mbs if self.first else None, kwarg_mbs=kwarg_mbs,
+                               target_mbs=target_mbs if self.last else None, losses=mb_losses,
+                               loss_kwargs={"global_valid_tokens": torch.tensor(float(self.dp * BATCH * SEQ))},
+                               return_outputs=False)
+            self.optimizers.step()
+            self.schedulers.step()
+            self.optimizers.zero_grad()
+            total = torch.stack(mb_losses).sum().detach() if self.last else torch.zeros(())
+            dist.all_reduce(total, group=self.batch_mesh.get_group())
+            dist.broadcast(total, src=last_rank, group=pp_group)
+            losses.append(total.item())
+        return losses
+
+    def _named_parameters(self):
+        return [item for part in self.parts for item in part.named_parameters()]
+
+
+def _pipeline_side_by_side(recipe, schedule, steps=4):
+    out = {"plain": _PipelineRun(None, schedule).train(range(steps))}
+    run = _PipelineRun(recipe, schedule)
+    before = run.snapshot()
+    out[recipe] = {"losses": run.train(range(steps)), "parallelized": run.parallelized,
+                   "fp8_after": run.fp8_weights(), "reshard_after_forward": run.reshard_after_forward}
+    after = run.snapshot()
+    out[recipe]["unchanged"] = sorted(k for k in before if k.endswith("/rowwise") and torch.equal(before[k], after[k]))
+    return out
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+@pytest.mark.parametrize("recipe,schedule", [("mxfp8", "1F1B"), ("current", "GPipe"),
+                                             ("blockwise1d", "Interleaved1F1B")])
+def test_pipeline_x_fsdp_four_ranks_trains_like_bf16(pools, recipe, schedule):
+    """4 ranks, pp=2 x dp=2: torchtitan's ``pipeline_llm`` splits the converted model into two
+    stages (four when interleaved, two per rank) and FSDP2-shards each over its dp pair (reshard_after_forward=False, torchtitan's PP
+    policy); the two stages' FP8 weights together are every Linear of the model; the losses
+    (the last stage's, the same on every rank) within 1 % of the same pipeline without FP8."""
+    out = pools[4].run(_pipeline_side_by_side, recipe, schedule)
+    assert all(o[recipe]["losses"] == out[0][recipe]["losses"] for o in out)
+    merged = {"plain": out[0]["plain"], recipe: {
+        "losses": out[0][recipe]["losses"],
+        "parallelized": {n: v for o in out for n, v in o[recipe]["parallelized"].items()},
+        "fp8_after": {n: v for o in out for n, v in o[recipe]["fp8_after"].items()},
+        "unchanged": sorted({k for o in out for k in o[recipe]["unchanged"]})}}
+    assert all(o[recipe]["reshard_after_forward"] == [False] for o in out), [o[recipe]["reshard_after_forward"] for o in out]
+    _check_side_by_side(merged, [recipe])
+
+
+def _pipeline_resume(recipe, schedule, root):
+    first = _PipelineRun(recipe, schedule, root)
+    first.train(range(2))
+    assert first.checkpointer.save(curr_step=2)
+    losses = first.train(range(2, 4))
+    expected = first.snapshot()
+    first.checkpointer.close()
+    resumed = _PipelineRun(recipe, schedule, root)
+    assert resumed.checkpointer.load(step=2)
+    again = resumed.train(range(2, 4))
+    got = resumed.snapshot()
+    keys = sorted(set(expected) | set(got))
+    differ = [k for k in keys if k not in got or k not in expected or not torch.equal(_bytes(expected[k]), _bytes(got[k]))]
+    resumed.checkpointer.close()
+    return {"losses": losses, "again": again, "differ": differ, "n": len(keys)}
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pipeline_x_fsdp_resume_is_bit_exact(pools, tmp_path, schedule):
+    """pp=2 x dp=2 through torchtitan's ``CheckpointManager``: each rank saves and loads its own
+    stages (one, or two model parts and their two optimizers when interleaved: FP8 planes, masters
+    and optimizer state); the resumed run equals the uninterrupted one byte for byte on every rank."""
+    out = pools[4].run(_pipeline_resume, "mxfp8", schedule, str(tmp_path))
+    for r in out:
+        assert r["differ"] == [] and r["n"] > 4, r["differ"][:8]
+        assert r["again"] == r["losses"], r
 
 
 # ---- in one process: the config-time refusals, the plain optimizer, the state-dict layout ------------

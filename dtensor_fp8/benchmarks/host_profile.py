@@ -54,3 +54,23 @@ def host_profile(step, n_steps: int, path: str, rows: int = 60) -> dict:
     with open(path, "w") as f:
         f.write(buf.getvalue())
     return {"steps": n_steps, "profiled_ms_per_step": host_ms, "table": path}
+
+
+def add_profiling_args(parser, per: str) -> None:
+    """The step benchmarks' profiling options, with the same meaning in each (``linear_step``,
+    ``te_step``): ``--profile`` (torch.profiler tables), ``--trace`` (the Chrome trace that
+    ``gpu_gaps`` reads) and ``--host-profile N`` (:func:`host_profile`).
+
+    Args:
+        parser: the benchmark's ``argparse.ArgumentParser``.
+        per: how the benchmark names one row in its output files, e.g. ``"<variant>"``.
+
+    Example:
+        >>> add_profiling_args(p, "<recipe>_<variant>")
+    """
+    parser.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler "
+                        f"kernel tables to --out/profile_{per}.txt; GPU-busy vs step time in the JSON)")
+    parser.add_argument("--trace", action="store_true", help="with --profile: also write the Chrome trace "
+                        f"(--out/trace_{per}.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help=f"also run N steps per variant under cProfile (--out/host_profile_{per}.txt)")

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .host_profile import host_profile
+from .host_profile import add_profiling_args, host_profile
 from .shapes import ModelShape, add_shape_arguments, mfu, peak_flops, shape_from_args, tokens_per_s
 
 GIB = 2**30
@@ -414,12 +414,7 @@ def _parse(argv):
     p.add_argument("--variants", default=",".join(EAGER), help=f"comma-separated subset of {','.join(ALL)}")
     p.add_argument("--compile", action="store_true", help="also run the *_compiled row of every variant given "
                    "(blocks torch.compile'd)")
-    p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler "
-                   "kernel tables to --out/profile_<variant>.txt; GPU-busy vs step time in the JSON)")
-    p.add_argument("--trace", action="store_true", help="with --profile: also write the "
-                   "Chrome trace (--out/trace_<variant>.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
-    p.add_argument("--host-profile", type=int, default=0, metavar="N",
-                   help="also run N steps per variant under cProfile (--out/host_profile_<variant>.txt)")
+    add_profiling_args(p, "<variant>")
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")
     p.add_argument("--out", default="bench_out", help="directory for linear_step.json (default ./bench_out)")
     args = p.parse_args(argv)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import flatten_state_dict, set_state_dict_element
 from ..formats.config import recipe_from_config
-from ..param_state import is_operand_state_entry
+from ..param_state import is_scaling_state_entry, is_weight_state_entry
 from ..placement import like, local_tensor
 from ..state_dict import RECIPE_KEY, check_saved_recipe
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
@@ -260,6 +260,7 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverag
     opened = agree(what, _open, path, verify, **kept)
     flat, mappings = flatten_state_dict(state_dict)
     recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
+    read_weight_states_of_older_layout(flat, recipes, opened.metadata)
     taken = open_param_group_keys(state_dict, flat, opened.metadata.state_dict_metadata)  # plain param-group values
     flat.update(dict.fromkeys(taken))  # asked for from here on (None: DCP reads what was saved)
     mappings.update(taken)
@@ -282,6 +283,35 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverag
             else:
                 flat[key].copy_(value)
     return LoadResult(plan.missing, plan.unexpected)
+
+
+def read_weight_states_of_older_layout(flat: dict, recipes: dict, metadata: Metadata) -> None:
+    """Ask for a weight scaling state under the key a checkpoint written before the weight's owner
+    saved it holds it at (the optimizer's state: ``optim.state.<fqn>.rowwise_amax_history``), where the
+    model's entry asks for it (``model.<fqn>.rowwise_amax_history``) and the checkpoint lacks that.
+    In place: ``flat``'s tensor moves to the old key, so the load reads it from there into the
+    model's entry (and the optimizer's old entry is not left over as unexpected).
+
+    Args:
+        flat: the flattened state dict to load into.
+        recipes: its FP8 weights' recipe entries (``"<weight key>.recipe"``).
+        metadata: the checkpoint's.
+
+    Example:
+        >>> read_weight_states_of_older_layout(flat, recipes, metadata)   # "optim.state.w.rowwise_scale" now asked for
+    """
+    saved = metadata.state_dict_metadata
+    old = {k.split(".state.", 1)[1]: k for k in saved if ".state." in k and is_weight_state_entry(k)}
+    if not old:
+        return
+    weights = {k[: -len(RECIPE_KEY) - 1] for k in recipes}
+    for key in [k for k in flat if k not in saved and is_weight_state_entry(k) and k.rsplit(".", 1)[0] in weights]:
+        parts = key.split(".")
+        for i in range(len(parts) - 1):  # the longest suffix that names the weight's old entry
+            tail = ".".join(parts[i:])
+            if tail in old and old[tail] not in flat:
+                flat[old[tail]] = flat.pop(key)
+                break
 
 
 def _open(path: str, verify: bool | None) -> _Opened:
@@ -378,10 +408,10 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
     # weights whose recipe entry is saved but some plane is not (a weight missing whole is just missing)
     # (an operand scaling state is not a plane: checkpoints written before it was saved lack it, see
     # state_dict.py; strict=False loads them, naming it missing)
-    torn = sorted({k.rsplit(".", 1)[0] for k in missing if not is_operand_state_entry(k)}
+    torn = sorted({k.rsplit(".", 1)[0] for k in missing if not is_scaling_state_entry(k)}
                   & {g for g in groups if f"{g}.{RECIPE_KEY}" in saved})
     if torn:
-        lacking = [k for k in missing if k.rsplit(".", 1)[0] in torn and not is_operand_state_entry(k)]
+        lacking = [k for k in missing if k.rsplit(".", 1)[0] in torn and not is_scaling_state_entry(k)]
         raise CheckpointRecipeError(
             f"{path}: the FP8 weight{'s' if len(torn) > 1 else ''} {_listed(torn)} lack{'' if len(torn) > 1 else 's'} "
             f"{_listed(lacking)} in the checkpoint (another recipe's planes? a checkpoint edited by hand?). An FP8 "

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from . import te_import
-from .base import (COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data,
-                   transpose_2d, transposer_2d)
+from .planes import (COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError, as_matrix_shape, dense, pad_2d, round_up, te_data,
+                     transpose_2d, transposer_2d)
 
 DATA = "data"
 SCALE_INV = "scale_inv"

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from . import triton_fp8 as f8
-from .base import Plane
-from .triton_kernels import fp8_max, interpreting, software_cast
+from .planes import Plane
+from .triton_switches import fp8_max, interpreting, software_cast
 
 BLOCK = 128
 

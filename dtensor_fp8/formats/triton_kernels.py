@@ -27,14 +27,11 @@ import importlib.util
 import torch
 
 from .. import _compat, settings
+# The switches the kernel modules read live in a leaf (triton_switches.py): the kernel modules,
+# which this module imports on first use (kernels()), do not import this module back.
+from .triton_switches import fp8_max, interpreting, software_cast  # noqa: F401  (re-exported)
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def interpreting() -> bool:
-    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``; Triton reads it when kernels are
-    defined, ``settings.py`` once, as Triton does)."""
-    return settings.current().triton_interpret
 
 
 @functools.cache
@@ -51,16 +48,6 @@ def usable(t: torch.Tensor) -> bool:
     if t.numel() == 0 or t.dtype not in _INPUT_DTYPES or not settings.current().triton:
         return False
     return not _compat.is_traced(t) and _importable()
-
-
-def software_cast() -> bool:
-    """Cast to FP8 with integer operations (exact everywhere) instead of the hardware conversion
-    (under the interpreter, or ``DTENSOR_FP8_TRITON_SOFTWARE_CAST=1``)."""
-    return interpreting() or settings.current().triton_software_cast
-
-
-def fp8_max(fp8_dtype: torch.dtype) -> float:
-    return float(torch.finfo(fp8_dtype).max)
 
 
 def fast_path(recipe, hp: torch.Tensor) -> str | None:

@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from . import triton_fp8 as f8
-from .base import Plane
-from .triton_kernels import fp8_max, software_cast
+from .planes import Plane
+from .triton_switches import fp8_max, software_cast
 
 # Tiles and warps from a sweep on an H200 (8192^2 bf16;
 # docs/benchmarks.md, "`quantize` after the kernel sweep"):

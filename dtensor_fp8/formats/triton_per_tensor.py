@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fp8 as f8
-from .triton_kernels import fp8_max, software_cast
+from .triton_switches import fp8_max, software_cast
 
 # Tile sizes from a sweep on an H200 (8192^2 bf16;
 # docs/benchmarks.md, "`quantize` after the kernel sweep"):

@@ -13,8 +13,9 @@ A job config (a ``Trainer.Config`` function, as torchtitan's ``config_registry``
         return config
 
 Everything torchtitan does after that is its own code, unchanged: the meta-device build, its
-``parallelize_*`` (FSDP2 with any ``spmd_backend``, tensor parallelism), ``to_empty`` and
-``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and its DCP
+``parallelize_*`` (FSDP2 with any ``spmd_backend``, tensor parallelism), ``pipeline_llm`` and its
+schedules (each rank's stages are model parts: one ``MasterWeightOptimizer`` each), ``to_empty``
+and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and its DCP
 ``CheckpointManager``.
 
 [Note: the pieces]

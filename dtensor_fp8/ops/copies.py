@@ -46,6 +46,8 @@ def _view(func, args, kwargs):
     if torch.Size(size) != q.shape and q.bytes_pending and not q.is_meta:
         # An init reshaping a weight whose bytes are pending reads or writes its values (torchtitan's
         # fused-QKV init views a scratch ``new_empty`` as (heads, ..., dim)): see ops/init.py's note.
+        # What is done through the view is not seen here: count the weight as written.
+        q.param_state.init_written = True
         return func(q.hp_init, size)
     if torch.Size(size) != q.shape:
         raise RecipeError(
@@ -117,6 +119,15 @@ def _new_zeros(func, args, kwargs):
 def _zeros_like(func, args, kwargs):
     q = args[0]
     _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    if func is aten.empty_like.default and q.param_state.master_tensor() is not None:
+        # ``module.to_empty`` (its only caller on a parameter): see param_writes.py's note.
+        raise RecipeError(
+            f"{q.recipe.name}: to_empty (empty_like) of an FP8 weight of shape {tuple(q.shape)} whose "
+            "MasterWeightOptimizer exists: it would replace the weight's FP8 bytes with zeros while its master kept "
+            "the old values (parameters visited before this one may already be emptied). Fix: call "
+            "model.to_empty(device=...) and initialize the weights before building the MasterWeightOptimizer; to "
+            "load new values into a trained model, use weight.copy_(values) or dtensor_fp8.load_hp_state_dict / "
+            "load_checkpoint (the masters follow)")
     return zeros_like_quantized(q, list(q.shape), kwargs.get("device"))
 
 
@@ -131,13 +142,16 @@ def _check_nominal_dtype(q, dtype, func):
 @QUANTIZED_OPS.implements([aten.copy_.default])
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
-    dst_planes = dst.planes
-    if dst.bytes_pending and not isinstance(src, QuantizedTensor):
-        # Initialization of a meta-built weight (``weight.copy_(pretrained)``): the values await
-        # their bytes (finish_init_ quantizes them with every other pending weight).
-        dst.hp_init.copy_(src.reshape(dst.shape))
+    if not isinstance(src, QuantizedTensor):
+        # High precision into FP8: a write of the weight's values, through its owner (the scale
+        # from the amax over the weight's groups, its master following; a meta-built weight's
+        # init values awaiting their bytes). See param_writes.py.
+        from ..param_writes import write_hp_values_  # the writes layer sits above the op table
+
+        write_hp_values_([(None, dst, src.reshape(dst.shape))])
         return dst
-    if isinstance(src, QuantizedTensor) and src.bytes_pending:
+    dst_planes = dst.planes
+    if src.bytes_pending:
         # FSDP2 copies a pending shard into its padded shard: the values, not undefined bytes.
         if dst.hp_init is None:
             raise RecipeError(f"copy_: {src.recipe.name} source of shape {tuple(src.shape)} holds init values without "
@@ -145,30 +159,27 @@ def _copy_(func, args, kwargs):
         dst.hp_init.copy_(src.hp_init)
         dst.mark_bytes_pending_()
         return dst
-    if isinstance(src, QuantizedTensor):
-        if src.recipe != dst.recipe:
-            raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
-        src_planes = src.planes
-        for usage, plane in dst_planes.items():
-            if usage not in src_planes:
-                raise RecipeError(
-                    f"copy_: source holds planes {tuple(src_planes)}, destination needs {usage!r} ({dst.recipe.name})"
-                )
-            plane.data.copy_(src_planes[usage].data)
-            plane.scale_inv.copy_(src_planes[usage].scale_inv)
-        if dst.hp_init is not None and src.hp_init is not None:
-            dst.hp_init.copy_(src.hp_init)
-        if dst.param_state is not src.param_state:  # a loaded checkpoint entry: its scaling states too
-            dst.param_state.copy_from_(src.param_state)
-    else:
-        # High precision into FP8: quantize every plane the destination stores (local amax; a
-        # delayed-scaling destination keeps its scale).
-        for usage, plane in dst_planes.items():
-            fresh, _ = dst.recipe.requantize_plane(src.reshape(dst.shape).to(plane.data.device), usage, plane)
-            plane.data.copy_(fresh.data)
-            plane.scale_inv.copy_(fresh.scale_inv)
-        if dst.hp_init is not None:  # the masters start from the values copied in
-            dst.hp_init.copy_(src.reshape(dst.shape))
+    if src.recipe != dst.recipe:
+        raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
+    src_planes = src.planes
+    for usage, plane in dst_planes.items():
+        if usage not in src_planes:
+            raise RecipeError(
+                f"copy_: source holds planes {tuple(src_planes)}, destination needs {usage!r} ({dst.recipe.name})"
+            )
+        plane.data.copy_(src_planes[usage].data)
+        plane.scale_inv.copy_(src_planes[usage].scale_inv)
+    if dst.hp_init is not None and src.hp_init is not None:
+        dst.hp_init.copy_(src.hp_init)
+    if dst.param_state is not src.param_state:
+        # Another weight's bytes (a loaded checkpoint entry): its scaling states too, and the
+        # master follows them (see param_writes.py); init values kept for a master that does not
+        # exist yet are stale now: it will start from these bytes.
+        dst.param_state.copy_from_(src.param_state)
+        if dst.param_state.master_tensor() is not None:
+            dst.param_state.bytes_loaded = True
+        if src.hp_init is None and not dst.bytes_pending:
+            dst.take_hp_init()
     dst.discard_transpose_cache()
     return dst
 

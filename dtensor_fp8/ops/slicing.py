@@ -179,6 +179,8 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTen
         >>> padded = zeros_like_quantized(q, (q.shape[0] + 32, q.shape[1]))
     """
     device = device or q.device
+    if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
+        q.param_state.init_written = False  # ``to_empty``: the user's init is to write it (finish_init_ checks)
     planes = {}
     for usage, plane in q.planes.items():
         grid = q.recipe.block_shape(usage).grid(tuple(shape))

@@ -13,6 +13,7 @@ write into the old ones. Runs for every recipe (MXFP8 through the reference reci
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
 
 import pytest
@@ -93,3 +94,38 @@ def test_graphed_requantize_matches_eager(name, master_dtype):
         _step([(graphed, g_opt), (eager, e_opt)], step)
         _assert_same(graphed, eager, g_opt, e_opt, f"{name}/after-load/step{step}")
     assert g_opt._requantize.replays == 4 + 3, g_opt._requantize.replays
+
+
+def test_a_graph_freed_by_the_garbage_collector_during_capture_leaves_the_capture_valid(monkeypatch):
+    """Another CUDA graph kept alive only by a reference cycle becomes garbage the moment the
+    requantization's capture begins, and the collector runs at every allocation: were it to run
+    inside the capture, that graph's destruction (forbidden while capturing) would invalidate it,
+    turning the graphs off (seen in the GPU suite of 2026-12-06 when an earlier test's graph was
+    collected there)."""
+    model = _model(d.RECIPES["current"])
+    opt = d.MasterWeightOptimizer(model, torch.optim.Adam, lr=1e-2, fused=True)
+    _step([(model, opt)], 0)  # eager: the first step with new tensors
+
+    cycle = {}
+    cycle["self"], cycle["graph"] = cycle, torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cycle["graph"]):
+        torch.ones(4, device="cuda").mul_(2)
+    holder = [cycle]
+    del cycle
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(self, *args, **kwargs):  # from here on the cycle is garbage
+        begin(self, *args, **kwargs)
+        holder.clear()
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at every allocation of a tracked object
+    try:
+        _step([(model, opt)], 1)  # captures, then replays
+    finally:
+        gc.set_threshold(*threshold)
+    assert not holder
+    assert opt._requantize.disabled_reason is None, opt._requantize.disabled_reason
+    assert opt._requantize.replays == 1
+    gc.collect()  # the cycle's graph goes now, outside any capture

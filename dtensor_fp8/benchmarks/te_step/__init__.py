@@ -39,6 +39,7 @@ from .report import format_breakdown, format_host_split, format_table, write_jso
 from .rows import Row
 from .run import run_variant
 from .timing import time_rounds
+from ..host_profile import add_profiling_args
 from ..shapes import add_shape_arguments, mfu, peak_flops, shape_from_args, tokens_per_s
 from .variants import OURS, RECIPE_NAMES, VARIANTS, StepConfig, Variant, build_variant, init_process_group
 
@@ -73,12 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-only", type=int, default=0, metavar="N",
                    help="also time N steps each enqueued behind a GPU sleep, so the host never holds the GPU back "
                         "(GPU-only ms in the breakdown)")
-    p.add_argument("--profile", action="store_true", help="also profile 2 steps per variant (torch.profiler tables "
-                   "to --out/profile_<recipe>_<variant>.txt; GPU-busy vs step time in the JSON)")
-    p.add_argument("--trace", action="store_true", help="with --profile: also write the Chrome "
-                   "trace (--out/trace_<recipe>_<variant>.json.gz; `python -m dtensor_fp8.benchmarks gpu_gaps` reads it)")
-    p.add_argument("--host-profile", type=int, default=0, metavar="N",
-                   help="also run N steps per variant under cProfile (--out/host_profile_<recipe>_<variant>.txt)")
+    add_profiling_args(p, "<recipe>_<variant>")
     p.add_argument("--out", default="bench_out", help="directory for te_step.json (default ./bench_out)")
     return p
 

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
-# Issue 41 on one GPU in one call of under 9 minutes: the GPU suite, the suite over NCCL at one rank
-# per GPU (the README's command), and the convergence benchmark, all three at once (the GPU has room
-# for them; the test sessions run niced, so the host-bound benchmark keeps its core).
+# The GPU suites on one GPU in one call of under 9 minutes, the parts at once (the GPU has room for
+# them; the test sessions run niced, so the host-bound benchmark keeps its core):
+#   gpu_suite    tests/gpu (TE, Triton, CUDA graphs, FP8 GEMMs)
+#   nccl_suite   the distributed suite over NCCL at one rank per GPU (the README's command)
+#   gloo_cuda    the schedule / pipeline / owner-write files with CUDA tensors at world sizes 2 and 4,
+#                every rank on cuda:0 (collectives staged through host memory, tests/staging_backend.py)
+#   convergence  the convergence benchmark (docs/benchmarks.md)
 #
 #   export PYTHONPATH=$PWD/.gpu/site:$PWD NVTE_FRAMEWORK=pytorch   # TE on the path
-#   bash tests/gpu/run_issue41.sh            # from the repository root; results under $OUT
+#   PARTS="gpu_suite nccl_suite" bash tests/gpu/run_gpu_suites.sh   # from the repository root; results under $OUT
 #
-# A torchao wheel in .whl/ (torchao-*.whl) is installed into /tmp for the benchmark's torchao row.
-# Writes 8 files to $OUT (default ./issue41_out): gpu_suite.{log,xml}, nccl_suite.{log,xml} (pytest
-# output and junit XML), convergence.{log,json,png}, summary.txt (the machine, each part's exit
-# status and time, failures, the convergence table and target; also printed last). A part past its
-# limit gets SIGTERM: pytest prints its summary of what ran (tests/rank_logs.py), the benchmark
-# keeps the rows it finished in its JSON, from which the table and plot are then made.
+# PARTS defaults to all four. A torchao wheel in .whl/ (torchao-*.whl) is installed into /tmp for the
+# benchmark's torchao row. Writes to $OUT (default ./gpu_out): <part>.log (and .xml for the test
+# parts: junit XML), convergence.{json,png}, summary.txt (the machine, each part's exit status and
+# time, failures, the convergence table and target; also printed last). A part past its limit gets
+# SIGTERM: pytest prints its summary of what ran (tests/rank_logs.py), the benchmark keeps the rows
+# it finished in its JSON, from which the table and plot are then made.
 set -u
-OUT=${OUT:-$PWD/issue41_out}
+OUT=${OUT:-$PWD/gpu_out}
+PARTS=${PARTS:-gpu_suite nccl_suite gloo_cuda convergence}
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 SUITE_S=${SUITE_S:-480}      # each test session
 BENCH_S=${BENCH_S:-500}      # the convergence benchmark
@@ -60,20 +66,24 @@ part() {  # part NAME LIMIT CMD...: runs CMD with its output in $OUT/NAME.log, i
 PYTEST=(python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=300)
 TESTS_ENV=(env OMP_NUM_THREADS=2 DTENSOR_FP8_TEST_TASK_TIMEOUT=200)
 
-part gpu_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" "${PYTEST[@]}" -n 6 --dist loadfile \
+wants gpu_suite && part gpu_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" "${PYTEST[@]}" -n 6 --dist loadfile \
   --junitxml="$OUT/gpu_suite.xml" tests/gpu &
-part nccl_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSOR_FP8_TEST_BACKEND=nccl DTENSOR_FP8_TEST_WORLD_SIZES=1 \
+wants nccl_suite && part nccl_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSOR_FP8_TEST_BACKEND=nccl DTENSOR_FP8_TEST_WORLD_SIZES=1 \
   "${PYTEST[@]}" -n 8 --junitxml="$OUT/nccl_suite.xml" tests --ignore=tests/gpu &
-part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence --steps 1000 --seq 512 --batch 16 \
+wants gloo_cuda && part gloo_cuda "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSOR_FP8_TEST_BACKEND=gloo-cuda \
+  DTENSOR_FP8_TEST_WORLD_SIZES=2,4 "${PYTEST[@]}" -n 4 --dist loadfile --junitxml="$OUT/gloo_cuda.xml" \
+  tests/test_pipeline.py tests/test_pipeline_checkpoint.py tests/test_schedules.py tests/test_owner_writes.py &
+wants convergence && part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence --steps 1000 --seq 512 --batch 16 \
   --variants bf16,bf16_seed1,current,delayed,blockwise2d,torchao_compiled --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} &
 wait
 
-if ! grep -q "^target:" "$OUT/convergence.log" && [ -f "$OUT/convergence.json" ]; then  # cut short: its finished rows
+if wants convergence && ! grep -q "^target:" "$OUT/convergence.log" && [ -f "$OUT/convergence.json" ]; then  # cut short: its finished rows
   python3 -m dtensor_fp8.benchmarks convergence --from-json "$OUT/convergence.json" --out "$OUT" >> "$OUT/convergence.log" 2>&1
 fi
 
 {
-  for name in gpu_suite nccl_suite; do
+  for name in gpu_suite nccl_suite gloo_cuda; do
+    wants "$name" || continue
     log="$OUT/$name.log"
     result=$(grep -aE '^=*.*([0-9]+ (passed|failed|error|errors|skipped)).* in [0-9.]+s' "$log" | tail -1 | tr -d '=')
     echo "== $name: ${result:-no pytest summary} | $(tail -1 "$log")"
@@ -81,12 +91,14 @@ fi
     grep -aE '^(FAILED|ERROR) ' "$log" | cut -c1-240 | head -25
     grep -aq 'KeyboardInterrupt: SIGTERM' "$log" && echo "   stopped by the time limit (${SUITE_S} s)"
   done
-  status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
-  echo "== convergence: $status"
-  case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
-  grep -a -E '^# |^  [a-z0-9_]+ +(train|not run|error)' "$OUT/convergence.log" | cut -c1-240
-  sed -n '/^| row /,/^Losses in/p' "$OUT/convergence.log"
-  sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
+  if wants convergence; then
+    status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
+    echo "== convergence: $status"
+    case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
+    grep -a -E '^# |^  [a-z0-9_]+ +(train|not run|error)' "$OUT/convergence.log" | cut -c1-240
+    sed -n '/^| row /,/^Losses in/p' "$OUT/convergence.log"
+    sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
+  fi
   echo "== total $((SECONDS - T0)) s"
 } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -1,0 +1,134 @@
+"""Writing new high-precision values into FP8 weights: the one path every value write takes.
+
+[Note: every value write goes through the owner]
+An FP8 weight's values are written by ``weight.copy_(values)`` (a user's init, a pretrained
+weight copied in), by ``load_hp_state_dict`` / ``load_hp_checkpoint``, and by the init of a weight
+built on the meta device. Each write must give what quantizing the full high-precision tensor
+gives, and must leave the optimizer's master equal to the written values; two decisions that
+belong to the weight's owner record (``FP8ParamState``, ``param_state.py``), made here and only
+here (:func:`write_hp_values_`):
+
+* **scale scope**: a scaling block that spans a sharded dim (a per-tensor scale under FSDP2 or
+  TP) takes the amax over the weight's groups (``groups.weight_groups``, from the DTensor's mesh:
+  the record's ``layout``, bound from the parameter itself, or from its ``home`` module when the
+  write reaches the local shard only, as ``copy_`` into a DTensor does). Each shard quantizing with
+  its own amax would read half the gathered weight with the wrong scale. A stateful recipe
+  (delayed scaling) starts a new weight scaling state from the written values, as ``quantize()``
+  of them would, written into the record's existing tensors (checkpoint plans and captured
+  requantization graphs refer to them).
+* **master sync**: once a :class:`~dtensor_fp8.MasterWeightOptimizer` exists, the record holds a
+  weak reference to the weight's master (``FP8ParamState.master``); the write copies the values
+  into it, so the next step continues from them instead of requantizing the old master over
+  them. Before the optimizer, the values are kept for the masters to start from (``hp_init``).
+* a load of FP8 bytes (``model.load_state_dict`` of a checkpoint's entry, ``ops/copies.py``) marks
+  the record (``bytes_loaded``): at the next step the master takes the loaded bytes' values
+  (:func:`masters_follow_loaded_bytes_`), unless the optimizer's own state was loaded since the
+  last step too (``master_loaded``, in either order: torch's ``set_state_dict`` loads the
+  optimizer first), where the saved master, more precise than its FP8 rounding, stands.
+* a meta-built weight whose bytes are still pending takes the values as its init (``hp_init``);
+  ``finish_init_`` (the optimizer calls it) makes the bytes, with the same scale scope.
+
+A write is collective where a block spans ranks (one MAX all-reduce per group, for all weights
+written together): every rank of the weight's mesh writes it, as for any DTensor op.
+Writes that cannot be honored are refused with the fix: a write into a part of a weight whose
+master covers more (a slice), and ``to_empty`` of a model whose optimizer exists (``ops/copies.py``:
+it would leave FP8 planes and masters disagreeing, or zeroed silently).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats.base import RecipeError
+from .placement import local_tensor
+from .requantize import requantize_from_hp_
+from .tensor import QuantizedTensor
+
+
+@torch.no_grad()
+def write_hp_values_(items) -> None:
+    """Write high-precision values into FP8 weights through their owner records (see the note):
+    the bytes are those of quantizing the full tensor (amaxes over each weight's groups), a
+    stateful recipe's weight scaling state starts from the values, and each weight's linked master
+    (or, before an optimizer exists, its kept init values) takes them.
+
+    Args:
+        items: ``(name, weight, values)``: ``weight`` a DTensor FP8 parameter or its local
+            :class:`QuantizedTensor`; ``values`` this rank's high-precision values of it (its
+            local shape); ``name`` for messages (``None``: the weight's shape names it).
+
+    Example:
+        >>> write_hp_values_([("layers.0.w1.weight", model.layers[0].w1.weight, shard_values)])
+    """
+    made = []
+    for name, weight, values in items:
+        q = local_tensor(weight)
+        values = values.reshape(q.shape)
+        if q.bytes_pending:  # a meta-built weight's init: finish_init_ makes its bytes
+            q.hp_init.copy_(values)
+            q.param_state.init_written = True
+            continue
+        _check_master_covers(name, q)
+        made.append((name or f"weight {tuple(q.shape)}", weight, values.to(q.device, torch.float32)))
+    if not made:
+        return
+    # A new weight scaling state from the values (delayed scaling), into the record's own tensors.
+    records = [local_tensor(w).param_state for _, w, _ in made]
+    kept = {id(r): {u: dict(s) for u, s in r.weight_scaling.items()} for r in records}
+    for record in records:
+        record.weight_scaling.clear()
+    requantize_from_hp_(made)
+    for (_, w, values), record in zip(made, records, strict=True):
+        q = local_tensor(w)
+        for usage, old in kept[id(record)].items():
+            for key, value in old.items():
+                value.copy_(record.weight_scaling[usage][key])
+            record.weight_scaling[usage] = old
+        master = record.master_tensor()
+        if master is not None:
+            local_tensor(master).copy_(values)
+            record.bytes_loaded = record.master_loaded = False
+        if q.hp_init is not None:  # no optimizer yet: the masters start from the written values
+            q.hp_init.copy_(values)
+
+
+def _check_master_covers(name, q: QuantizedTensor) -> None:
+    master = q.param_state.master_tensor()
+    if master is not None and tuple(local_tensor(master).shape) != tuple(q.shape):
+        raise RecipeError(
+            f"{name or 'an FP8 weight'}: a write of {tuple(q.shape)} values into an FP8 weight whose optimizer master "
+            f"holds {tuple(local_tensor(master).shape)} on this rank ({q.recipe.name}): a part of the weight (a slice, "
+            "or the unsharded weight FSDP gathered) cannot be written without leaving the master behind. Fix: write "
+            "the whole parameter (weight.copy_(values) on the model's parameter, values laid out like it), or "
+            "dtensor_fp8.load_hp_state_dict(model, {name: values}, strict=False)")
+
+
+@torch.no_grad()
+def masters_follow_loaded_bytes_(masters) -> None:
+    """Write each master whose weight's bytes were loaded from a checkpoint entry since
+    (``FP8ParamState.bytes_loaded``: ``model.load_state_dict`` without the optimizer's state after
+    it) from those bytes, dequantized: the next step then continues from the loaded weights
+    instead of requantizing the old master over them.
+
+    Args:
+        masters: ``{FP8 parameter: its master}`` (``MasterWeightOptimizer``'s).
+
+    Example:
+        >>> masters_follow_loaded_bytes_(opt._masters)   # at the start of a step
+    """
+    for p, master in masters.items():
+        record = local_tensor(p).param_state
+        if record.bytes_loaded and not record.master_loaded:
+            target = local_tensor(master)
+            target.copy_(local_tensor(p).dequantize(target.dtype))
+        record.bytes_loaded = record.master_loaded = False
+
+
+def master_loaded_(masters) -> None:
+    """The optimizer's own masters were just loaded (``MasterWeightOptimizer.load_state_dict``):
+    bytes loaded in the same resume, before or after, came with them and do not overwrite them."""
+    for p in masters:
+        local_tensor(p).param_state.master_loaded = True
+
+
+__all__ = ["write_hp_values_", "masters_follow_loaded_bytes_", "master_loaded_"]
