@@ -45,8 +45,9 @@ RECIPE = "mxfp8"  # two planes, 32-row blocks: the recipe where a wrong plane or
 LR = 2e-3
 
 
-def _accelerator(mixed_precision: str = "no"):
-    """An ``Accelerator`` on the FSDP2 code path over the ranks' process group (see the docstring)."""
+def _accelerator(mixed_precision: str = "no", state_dict_type: str | None = None):
+    """An ``Accelerator`` on the FSDP2 code path over the ranks' process group (see the docstring);
+    ``state_dict_type``: the plugin's (None: accelerate's default for FSDP2, ``SHARDED_STATE_DICT``)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -55,7 +56,8 @@ def _accelerator(mixed_precision: str = "no"):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     AcceleratorState._reset_state(reset_partial_state=True)  # one accelerator per task in a rank's life
     GradientState._reset_state()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            state_dict_type=state_dict_type)
     accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
     # Both shared states: AcceleratorState() re-reads PartialState's (as accelerate sets it itself).
     accelerator.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
@@ -66,11 +68,12 @@ def _accelerator(mixed_precision: str = "no"):
     return accelerator
 
 
-def _prepared(order: str, recipe: str = RECIPE, seed: int = 0, mixed_precision: str = "no"):
+def _prepared(order: str, recipe: str = RECIPE, seed: int = 0, mixed_precision: str = "no",
+              state_dict_type: str | None = None):
     """``order``: "accelerate" (quantize, optimizer, ``prepare`` shards: accelerate's own order),
     "library" (quantize, ``fully_shard``, optimizer, ``prepare``: dtensor_fp8's documented order),
     or "plain" (the model without FP8, torch AdamW, accelerate's order: the reference)."""
-    accelerator = _accelerator(mixed_precision)
+    accelerator = _accelerator(mixed_precision, state_dict_type)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(_config())
     if order != "plain":
@@ -140,29 +143,37 @@ def test_prepare_in_either_order_trains_like_the_model_without_fp8(pools):
     assert out["accelerate"]["losses"] == out["library"]["losses"]
 
 
-def _save_and_go_on(root):
-    accelerator, model, opt = _prepared("accelerate")
+def _save_and_go_on(root, state_dict_type):
+    accelerator, model, opt = _prepared("accelerate", state_dict_type=state_dict_type)
     _train(accelerator, model, opt, 2)
     accelerator.save_state(root)
+    written = sorted(os.listdir(root))  # which of accelerate's two formats save_state wrote
     losses = _train(accelerator, model, opt, 2, start=2)
-    return losses, _snapshot(model, opt.optimizer)
+    return losses, _snapshot(model, opt.optimizer), written
 
 
-def _resume(root):
-    accelerator, model, opt = _prepared("accelerate", seed=1)  # another init: all must come from the files
+def _resume(root, state_dict_type):
+    # another init: all must come from the files
+    accelerator, model, opt = _prepared("accelerate", seed=1, state_dict_type=state_dict_type)
     accelerator.load_state(root)
     losses = _train(accelerator, model, opt, 2, start=2)
-    return losses, _snapshot(model, opt.optimizer)
+    return losses, _snapshot(model, opt.optimizer), None
 
 
-def test_save_state_and_load_state_resume_exactly(pools, tmp_path):
+@pytest.mark.parametrize("state_dict_type", [None, "FULL_STATE_DICT"])
+def test_save_state_and_load_state_resume_exactly(pools, tmp_path, state_dict_type):
     """``save_state`` after 2 steps, ``load_state`` into a differently initialized model and
     optimizer: the next 2 losses, every FP8 plane, master and high-precision weight bit-identical
-    to the uninterrupted run."""
+    to the uninterrupted run. With accelerate's default for FSDP2 (``SHARDED_STATE_DICT``: DCP),
+    and with ``FULL_STATE_DICT``, whose model file is rank 0's ``get_model_state_dict`` under the
+    same options ``get_state_dict`` passes (full, cpu_offload, broadcast_from_rank0): it resumes
+    exactly only because that call keeps each FP8 weight's planes (see the export tests)."""
     root = str(tmp_path / "state")
-    expected = pools[WORLD_SIZES[0]].run(_save_and_go_on, root)
-    resumed = pools[WORLD_SIZES[0]].run(_resume, root)
-    for (losses, snap), (r_losses, r_snap) in zip(expected, resumed):
+    expected = pools[WORLD_SIZES[0]].run(_save_and_go_on, root, state_dict_type)
+    resumed = pools[WORLD_SIZES[0]].run(_resume, root, state_dict_type)
+    model_file = "pytorch_model_fsdp.bin" if state_dict_type == "FULL_STATE_DICT" else "pytorch_model_fsdp_0"
+    assert model_file in expected[0][2], expected[0][2]  # torch.save of the full state dict, or DCP's folder
+    for (losses, snap, _), (r_losses, r_snap, _) in zip(expected, resumed):
         assert r_losses == losses
         assert snap.keys() == r_snap.keys() and any(k.endswith("/master") for k in snap)
         for key in snap:
@@ -228,3 +239,49 @@ def test_get_state_dict_and_save_pretrained_write_a_standard_model(pools, tmp_pa
     with torch.no_grad():
         got = loaded(input_ids=x).logits.float()
     assert (got - logits).norm() / logits.norm() < 2e-2
+
+
+def _export_without_the_line(root, out_dir):
+    """``get_state_dict`` + ``save_pretrained`` as accelerate documents them, without
+    ``high_precision_state_dict``, next to what ``save_state`` under ``FULL_STATE_DICT`` writes."""
+    accelerator, model, opt = _prepared("accelerate", state_dict_type="FULL_STATE_DICT")
+    _train(accelerator, model, opt, 2)
+    accelerator.save_state(root)
+    state_dict = accelerator.get_state_dict(model)
+    fp8 = sorted(k for k, v in state_dict.items() if isinstance(v, dict))
+    same = True
+    if accelerator.is_main_process:  # the full state dict is on rank 0 (cpu_offload)
+        saved = torch.load(os.path.join(root, "pytorch_model_fsdp.bin"), weights_only=True)
+        flat = lambda sd: {(k, n): t for k, v in sd.items() for n, t in (v.items() if isinstance(v, dict) else [("", v)])}
+        a, b = flat(state_dict), flat(saved)
+        same = a.keys() == b.keys() and all(
+            torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    failure = None
+    try:
+        accelerator.unwrap_model(model).save_pretrained(out_dir, state_dict=state_dict,
+                                                        is_main_process=accelerator.is_main_process)
+    except Exception as err:  # noqa: BLE001  (reported to the test)
+        frame = err.__traceback__
+        while frame.tb_next is not None:
+            frame = frame.tb_next
+        failure = (type(err).__name__, str(err), frame.tb_frame.f_code.co_filename)
+    accelerator.wait_for_everyone()
+    return fp8, same, failure
+
+
+def test_get_state_dict_without_the_line_is_the_checkpoint_and_save_pretrained_fails(pools, tmp_path):
+    """Why the export needs its one line (docs/README.md, accelerate): without
+    ``high_precision_state_dict``, ``get_state_dict`` returns on rank 0 exactly what
+    ``save_state`` under ``FULL_STATE_DICT`` writes for the model (the same torch call with the same
+    options; every FP8 weight a plain dict of full planes, which that resume needs), and
+    ``save_pretrained`` fails in huggingface_hub at the first FP8 entry's ``.device``. Should a
+    torch / transformers / huggingface_hub release change either, this fails, and the
+    documented reasons must be re-examined."""
+    ranks = pools[WORLD_SIZES[0]].run(_export_without_the_line, str(tmp_path / "state"), str(tmp_path / "hf"))
+    fp8, same, failure = ranks[0]
+    assert len(fp8) == FP8_WEIGHTS and same, (fp8, same)
+    assert all(r[0] == [] and r[2] is None for r in ranks[1:]), ranks[1:]  # other ranks: an empty dict, nothing written
+    kind, message, where = failure
+    assert kind == "AttributeError" and message == "'dict' object has no attribute 'device'", failure
+    assert where.endswith(os.path.join("huggingface_hub", "serialization", "_torch.py")), failure
+    assert not os.path.exists(tmp_path / "hf" / "model.safetensors")
