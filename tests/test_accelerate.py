@@ -193,8 +193,7 @@ def _export(out_dir):
     kinds = sorted({f"{type(v).__name__} {v.dtype}" for v in state_dict.values()})
     keys = sorted(state_dict)  # save_pretrained empties the dict it is given
     accelerator.unwrap_model(model).save_pretrained(out_dir, state_dict=state_dict,
-                                                    is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save)
+                                                    is_main_process=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     x = _tokens(99)
     with torch.no_grad():
