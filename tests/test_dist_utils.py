@@ -120,6 +120,7 @@ def test_a_pool_that_cannot_start_says_why(monkeypatch):
 _HANGING_SESSION = '''
 import time
 def _sleep(seconds):
+    print("_sleep: sleeping", flush=True)
     time.sleep(seconds)
 def test_passes():
     pass
@@ -155,7 +156,9 @@ def test_a_session_killed_by_sigterm_reports_stacks_and_its_summary(tmp_path):
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not any("_sleep: start" in p.read_text() for p in logs.glob("*-rank*.log")):
+        # Both ranks inside _sleep (its own line: the task's "start" line comes before the rank's
+        # per-task seeding, so a loaded machine could take the stacks before the sleep began).
+        while sum("_sleep: sleeping" in p.read_text() for p in logs.glob("*-rank*.log")) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "the session did not reach its task"
             time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGTERM)
