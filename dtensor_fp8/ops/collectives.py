@@ -5,16 +5,25 @@ DTensor's Shard(0) -> Replicate() calls _c10d_functional.all_gather_into_tensor 
 tensor. We run it on each inner tensor the local tensor holds -- FP8 data as uint8 (gloo rejects
 float8), and the scales of blocks that lie along dim 0 -- so only the planes present move: a
 tensor built with ``with_usages("rowwise")`` gathers forward bytes only. Scales of blocks that span
-dim 0 (per-tensor) are already identical on every rank and are not sent. The collectives are
-asynchronous: the works are registered on the raw output tensors, which this module keeps (a weak
-map keyed by the gathered tensor) until DTensor's ``wait_tensor`` on the gathered tensor.
+dim 0 (per-tensor) are already identical on every rank and are not sent.
+
+[Note: each plane's collective completes before its output is used]
+Each plane's collective is waited on right after it is issued, before a view of its output is made
+or the next plane's gather starts; DTensor's later ``wait_tensor`` on the gathered tensor finds
+nothing left to wait for. Leaving them in flight until that wait (raw outputs kept in a map keyed by
+the gathered tensor, views of them already in its planes) intermittently corrupted the heap under
+gloo: "malloc(): unaligned tcache chunk detected" or a SIGSEGV in a gloo worker thread's
+``malloc``, at a ``full_tensor()`` after an optimizer step. A core dump showed a 32-byte chunk
+freed twice, once by a gloo worker thread (still in its tcache list while a live tensor version
+counter occupied it); nothing here frees native memory, so the double free is inside torch/gloo,
+triggered by Python working on tensors that a worker thread still holds. The exact torch line is
+not identified; with the wait first, the repro that crashed every few hundred steps ran clean.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _compat
 from ..formats.base import Plane, RecipeError
@@ -24,21 +33,19 @@ from .slicing import chunk_of
 
 c10d = _compat.functional_collectives()
 
-#: gathered QuantizedTensor -> the raw collective outputs still to wait on (owned here).
-_PENDING_COLLECTIVES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
 @QUANTIZED_OPS.implements([c10d.all_gather_into_tensor.default])
 def _all_gather_into_tensor(func, args, kwargs):
     q, group_size, group_name = args[0], args[1], args[2]
-    planes, pending = {}, []
+    planes = {}
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         # torch 2.11's functional all-gather refuses a non-contiguous input (a plane transposed
         # for a dim-1 gather is one); 2.13's copies it itself.
         raw = one_byte_as_uint8(t).contiguous()
         out = func(raw, group_size, group_name)
-        pending.append(out)  # the work is registered on this exact tensor: wait on it, not a view
+        # Complete it before anything is made of its output (see the note above). The work is
+        # registered on this exact tensor: wait on it, not on a view.
+        c10d.wait_tensor.default(out)
         return out.view(t.dtype)
 
     for usage, plane in q.planes.items():
@@ -50,24 +57,20 @@ def _all_gather_into_tensor(func, args, kwargs):
             )
         shared_scale = block is None
         planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
-    out = q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
-    _PENDING_COLLECTIVES[out] = pending
-    return out
+    return q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
 
 
 @QUANTIZED_OPS.implements([c10d.wait_tensor.default])
 def _wait_tensor(func, args, kwargs):
-    q = args[0]
-    for t in _PENDING_COLLECTIVES.pop(q, ()):
-        func(t)
-    return q
+    # DTensor waits on the gathered tensor: its planes' collectives completed when it was built.
+    return args[0]
 
 
 @QUANTIZED_OPS.implements([c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else [])
 def _wrap_tensor_autograd(func, args, kwargs):
-    # funcol would wrap the result in an AsyncCollectiveTensor that waits lazily; our planes are
-    # views of several raw outputs, so complete the collectives here and hand back the tensor.
-    return c10d.wait_tensor.default(args[0])
+    # funcol would wrap the result in an AsyncCollectiveTensor that waits lazily; our planes'
+    # collectives are already complete (see the note above): hand back the tensor.
+    return args[0]
 
 
 _SHARD_DIM_ALLTOALL = _compat.dtensor_shard_dim_alltoall()
