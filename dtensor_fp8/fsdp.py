@@ -70,7 +70,9 @@ FSDP2's own copy would keep the old ones until it gathers again.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
-itself (the "transpose cache"), and dropped after use, so it never outlives the unsharded parameter.
+itself (the "transpose cache", kept in the parameter's owner record with the plane tensors it was
+built from: see the note in ``tensor.py``), and dropped after use or at the next gather, so it
+never outlives the unsharded parameter.
 The unsharded weights of TE modules (``te.py``'s view) serve the gathered direction only and are
 not completed: TE's modules read TE's own tensors.
 """

@@ -130,7 +130,9 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
     if weight.is_meta:
         planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
         hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
-        return QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp, bytes_pending=True)
+        q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
+        q.param_state.bytes_pending = True  # its init writes hp_init; finish_init_ makes the bytes
+        return q
     q = quantize(weight, recipe)
     return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
 
@@ -233,5 +235,5 @@ def finish_init_(model: nn.Module) -> list[str]:
         plane.scale_inv.copy_(fresh.scale_inv)
     for _, _, q in pending:
         q.param_state.reset_()  # states made before the bytes (on meta) start again from them
-        q.mark_bytes_made_()
+        q.param_state.bytes_pending = False
     return [name for name, _, _ in pending]

@@ -273,12 +273,22 @@ def test_transpose_cache(name):
     assert t is not None and tuple(t.shape) == (384, 256) and t.is_contiguous()
     assert torch.equal(u8(t), u8(q.plane("rowwise").data).t().contiguous())
     assert q.create_transpose_cache() is t  # idempotent
+    # the owner keeps it for whatever holds these planes: aliases see it without an op carrying it
+    assert q.detach().transpose_cache is t and q.to(torch.bfloat16).transpose_cache is t
+    assert q.param_state.gather.transpose[1] is t
+    assert q[:128].transpose_cache is None  # other plane tensors (views of some rows): not theirs
+    other = d.quantize(torch.randn(256, 384), RECIPES[name], **({"scale": 2.0} if name == "delayed" else {}))
+    moved = q.detach().repoint_(other.planes)
+    assert moved.transpose_cache is None and q.transpose_cache is t
     te = d.te_layout(q)
     key = "_transpose" if name != "block2d" else "_columnwise_data"
     assert torch.equal(te[key], u8(t))
     w_row = ref_dequant(q.planes["rowwise"], BLOCKS[name]["rowwise"])
     assert torch.equal(q.columnwise_matrix(torch.float32), w_row)
-    q.discard_transpose_cache()
+    q.detach().discard_transpose_cache()  # an alias drops the parameter's cache
+    assert q.transpose_cache is None and q.param_state.gather.transpose is None
+    q.create_transpose_cache()
+    q.param_state.gather.start_gather()  # and the next gather does
     assert q.transpose_cache is None
     x = torch.randn(4, 384, requires_grad=True)
     grad = torch.randn(4, 256)
