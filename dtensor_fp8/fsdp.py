@@ -99,7 +99,7 @@ from .tensor import QuantizedTensor
 # [Note: per-gather state]
 # What a parameter's gathers keep between gathers (plans and their last inputs, the gathering
 # FSDPParamGroup, whether it gathers both planes, the unsharded weight's scale copies, the
-# unsharded view) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
+# unsharded view, the transpose cache) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
 # gather``, a ``param_state.GatherState``, shared by the shard and the unsharded weight). Nothing
 # is kept on FSDP's objects or in maps here.
 

@@ -4,8 +4,9 @@
 torchtitan's flow builds the model on the meta device, shards it, then materializes and
 initializes each rank's shard only. ``quantize_module_`` accepts meta weights: it makes FP8
 parameters whose planes have a shape and no bytes, plus room for the high-precision values the
-user's init will write (``QuantizedTensor.hp_init``, ``bytes_pending``). ``fully_shard`` cuts planes
-and values into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
+user's init will write (the tensor's values plane, ``QuantizedTensor.hp_init``; the owner record
+marks the bytes pending, ``FP8ParamState.bytes_pending``). ``fully_shard`` cuts the FP8 planes and
+the values plane alike into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
 user's init (``reset_parameters()``, ``nn.init.*``, ``weight.copy_(...)``) writes the values
 (``ops/init.py``), and :func:`finish_init_` (called by :class:`MasterWeightOptimizer`) quantizes
 them: blocks inside a shard from the shard alone, per-tensor scales from the global amax (one
