@@ -337,3 +337,39 @@ def test_holds_tells_in_place_writes_from_replaced_planes():
     other = d.quantize(torch.randn(128, 128), d.RECIPES["current"])
     q.repoint_(other.planes, other.usages)  # replaced (a checkpoint load): no longer
     assert not q.holds(kept) and q.holds(other.plane_tensors())
+
+
+# ---- lifecycle in the owner record (issue 38) ------------------------------------------------------------
+def test_a_cast_and_its_aliases_read_what_the_source_holds_now():
+    """``ops/copies.reads_from``: the owner keeps which tensor a same-device cast reads through to,
+    keyed on its plane tensors, so an alias of the cast (which no op told) reads through as well."""
+    from dtensor_fp8.ops.copies import reads_from
+
+    _, w = make("mxfp8", shape=(128, 128), seed=7)
+    cast = w.to(torch.bfloat16)
+    alias = cast.detach()
+    assert reads_from(cast) is w and reads_from(alias) is w and reads_from(cast.to(torch.float16)) is w
+    _, other = make("mxfp8", shape=(128, 128), seed=8)
+    w.repoint_(other.planes)  # FSDP2's backward gather re-points the unsharded weight
+    assert reads_from(alias) is w and reads_from(w) is w
+    alias.repoint_(make("mxfp8", shape=(128, 128), seed=9)[1].planes)  # a cast re-pointed itself: its own
+    assert reads_from(alias) is alias and reads_from(cast) is w
+    assert reads_from(make("mxfp8", shape=(128, 128))[1]) is not w  # a tensor made otherwise: itself
+
+
+def test_the_values_plane_goes_where_the_fp8_planes_go():
+    from dtensor_fp8.module import fp8_parameter_values
+
+    q = fp8_parameter_values(torch.randn(256, 128), d.MXFP8())
+    assert q.hp_init is not None and not q.bytes_pending
+    top = q[:128]
+    assert torch.equal(top.hp_init, q.hp_init[:128]) and torch.equal(q.detach().hp_init, q.hp_init)
+    padded = torch.nn.functional.pad(top, (0, 0, 0, 32))
+    assert torch.equal(padded.hp_init[:128], top.hp_init) and not padded.hp_init[128:].any()
+    assert torch.equal(torch.cat([top, q[128:]]).hp_init, q.hp_init)
+    with pytest.raises(d.RecipeError, match="hp_init of shape"):  # an op cannot drop it by omission
+        q.rebuild({u: p for u, p in top.planes.items()}, shape=(128, 128))
+    pending = fp8_parameter_values(torch.empty(256, 128, device="meta"), d.MXFP8())
+    assert pending.bytes_pending and pending[:128].bytes_pending  # the owner's flag: one for all
+    pending.param_state.bytes_pending = False
+    assert not pending[:128].bytes_pending
