@@ -70,7 +70,9 @@ FSDP2's own copy would keep the old ones until it gathers again.
 
 For per-tensor and 128x128 blockwise recipes both directions send the same stored plane; the
 transpose TE's backward GEMM wants is built after a backward-only gather, or by the backward GEMM
-itself (the "transpose cache"), and dropped after use, so it never outlives the unsharded parameter.
+itself (the "transpose cache", kept in the parameter's owner record with the plane tensors it was
+built from: see the note in ``tensor.py``), and dropped after use or at the next gather, so it
+never outlives the unsharded parameter.
 The unsharded weights of TE modules (``te.py``'s view) serve the gathered direction only and are
 not completed: TE's modules read TE's own tensors.
 """
@@ -97,7 +99,7 @@ from .tensor import QuantizedTensor
 # [Note: per-gather state]
 # What a parameter's gathers keep between gathers (plans and their last inputs, the gathering
 # FSDPParamGroup, whether it gathers both planes, the unsharded weight's scale copies, the
-# unsharded view) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
+# unsharded view, the transpose cache) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
 # gather``, a ``param_state.GatherState``, shared by the shard and the unsharded weight). Nothing
 # is kept on FSDP's objects or in maps here.
 

@@ -73,7 +73,7 @@ class GatheredWeight:
             plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
         planes = t.planes
         planes[stored] = plane
-        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage), t.transpose_cache)
+        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage))
         return True
 
     def _all_gather(self, t: QuantizedTensor, stored: str) -> Plane:

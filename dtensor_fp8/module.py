@@ -4,8 +4,9 @@
 torchtitan's flow builds the model on the meta device, shards it, then materializes and
 initializes each rank's shard only. ``quantize_module_`` accepts meta weights: it makes FP8
 parameters whose planes have a shape and no bytes, plus room for the high-precision values the
-user's init will write (``QuantizedTensor.hp_init``, ``bytes_pending``). ``fully_shard`` cuts planes
-and values into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
+user's init will write (the tensor's values plane, ``QuantizedTensor.hp_init``; the owner record
+marks the bytes pending, ``FP8ParamState.bytes_pending``). ``fully_shard`` cuts the FP8 planes and
+the values plane alike into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
 user's init (``reset_parameters()``, ``nn.init.*``, ``weight.copy_(...)``) writes the values
 (``ops/init.py``), and :func:`finish_init_` (called by :class:`MasterWeightOptimizer`) quantizes
 them: blocks inside a shard from the shard alone, per-tensor scales from the global amax (one
@@ -130,7 +131,9 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
     if weight.is_meta:
         planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
         hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
-        return QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp, bytes_pending=True)
+        q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
+        q.param_state.bytes_pending = True  # its init writes hp_init; finish_init_ makes the bytes
+        return q
     q = quantize(weight, recipe)
     return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
 
@@ -233,5 +236,5 @@ def finish_init_(model: nn.Module) -> list[str]:
         plane.scale_inv.copy_(fresh.scale_inv)
     for _, _, q in pending:
         q.param_state.reset_()  # states made before the bytes (on meta) start again from them
-        q.mark_bytes_made_()
+        q.param_state.bytes_pending = False
     return [name for name, _, _ in pending]

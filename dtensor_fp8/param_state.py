@@ -18,10 +18,13 @@ scale, per plane)                                                               
 GEMM operand scaling state    ``FP8ParamState.operand_scaling``       with the record (recipes whose   model state dict, in the weight's
 (delayed: activation and                                              FP8 GEMMs keep state) / never    entry (``input_amax_history`` ...)
 gradient amax histories)
-high-precision init values    the local shard (``hp_init``),          by ``quantize_module_`` (meta:   not saved: the masters start
-                              sliced with its planes                  written by the user's init) /    from them (and are saved)
-                                                                      when the optimizer's masters
+high-precision init values    the tensor's values plane (``hp_init``) by ``quantize_module_`` (meta:   not saved: the masters start
+                              sliced, padded and moved with its FP8   written by the user's init) /    from them (and are saved)
+                              planes, so the shard holds its rows     when the optimizer's masters
                                                                       take them
+whether the FP8 bytes are     ``FP8ParamState.bytes_pending``         ``True`` by ``quantize_module_`` not saved (a state dict holds
+still to be made (meta build)                                         on meta / ``False`` at           the values while pending)
+                                                                      :func:`finish_init_`
 per-gather plans, the        ``FP8ParamState.gather``                at the first gather (FSDP2's     not saved (rebuilt from the mesh)
 gathering FSDPParamGroup,     (a :class:`GatherState`)                group: from its registry,
 the unsharded weight's                                                ``_compat``) / with the record
@@ -35,9 +38,14 @@ the unsharded view (TE)       ``FP8ParamState.gather.unsharded_view`` by ``quant
 mesh and placements (the      ``FP8ParamState.layout``                by the first caller that sees    not saved (the DTensor's own)
 process groups of its                                                 the DTensor (``groups.bind_
 scaling decisions)                                                    layout_``) / with the record
-transpose cache               the gathered tensor (``transpose_       after a backward-only gather     not saved
-                              cache``)                                or by the dgrad GEMM / after
-                                                                      its one use
+transpose cache, with the     ``FP8ParamState.gather.transpose``      after a backward-only gather     not saved
+plane tensors it was built                                            or by the dgrad GEMM / after
+from                                                                  its one use, a rewrite of the
+                                                                      planes, or at the next gather
+the tensor a GEMM on a        ``FP8ParamState.read_through`` (weak    at a ``to(dtype)`` over the      not saved
+same-device cast or a         references to the source and to the     same bytes or a GEMM's
+transpose view reads (its     plane tensors of its casts)             transpose view / when those
+source)                                                               tensors go
 the master it writes through  ``FP8ParamState.master`` (a weak        by ``MasterWeightOptimizer`` /   the optimizer's state dict
                               reference to the optimizer's master)    with the optimizer               (``master``)
 where the weight lives        ``FP8ParamState.home`` (module, name)   by ``quantize_module_`` / never  not saved
@@ -111,6 +119,11 @@ def is_scaling_state_entry(key: str) -> bool:
     return is_operand_state_entry(key) or is_weight_state_entry(key)
 
 
+def _same(refs: tuple, tensors: tuple) -> bool:
+    """Whether the weak references ``refs`` (``None`` for an absent plane) point at ``tensors``."""
+    return all((r is None) == (t is None) and (r is None or r() is t) for r, t in zip(refs, tensors, strict=True))
+
+
 @dataclass(eq=False)
 class GatherState:
     """What FSDP2's all-gathers of one parameter keep between gathers (``fsdp.py`` writes it).
@@ -133,6 +146,11 @@ class GatherState:
         inner_tensors: the list FSDP2 holds as the parameter's "inner tensors to free": the
             buffers a completion all-gathered, which FSDP2 frees when it reshards; emptied at
             each gather (see the note in ``fsdp_completion.py``).
+        transpose: the transpose cache, ``(plane tensors it was built from, TE's (K, M) copy of
+            the shared plane)`` (per-tensor and 128x128 recipes): built after a backward-only gather
+            or by the input-gradient GEMM, read by tensors holding those plane tensors, dropped
+            after that one use, when the planes are rewritten, and at the next gather (see the
+            note in ``tensor.py``); ``None`` otherwise.
     """
 
     plans: dict = field(default_factory=dict)
@@ -142,16 +160,18 @@ class GatherState:
     unsharded_view: object | None = None
     gathered: object | None = None
     inner_tensors: list = field(default_factory=list)
+    transpose: tuple | None = None
 
     def gathering_group(self):
         """The ``FSDPParamGroup`` kept by the first gather, or ``None``."""
         return self.group() if self.group is not None else None
 
     def start_gather(self) -> None:
-        """Forget the previous gather's completion: FSDP2 resharded (and freed its buffers) before
-        gathering again."""
+        """Forget the previous gather's completion and transpose cache: FSDP2 resharded (and freed
+        its buffers) before gathering again."""
         self.gathered = None
         self.inner_tensors.clear()
+        self.transpose = None
 
     def complete_(self, tensor, usage: str) -> bool:
         """Give ``tensor`` (the unsharded weight of the current gather, or an alias of it) the
@@ -203,6 +223,9 @@ class FP8ParamState:
     #: ``quantize_module_``: a write into the local shard alone finds its DTensor (and so its
     #: groups) there before anything else bound the layout
     home: tuple | None = None
+    #: the FP8 bytes are still to be made from the values plane (``QuantizedTensor.hp_init``): a
+    #: weight built on the meta device, until ``finish_init_`` quantizes what its init wrote
+    bytes_pending: bool = False
     #: a meta-built weight: ``False`` once ``to_empty`` allocated it, ``True`` once its init wrote
     #: it (``None``: not meta-built); ``finish_init_`` names the weights still ``False``
     init_written: bool | None = None
@@ -213,6 +236,10 @@ class FP8ParamState:
     bytes_loaded: bool = False
     #: the optimizer's master was loaded (``MasterWeightOptimizer.load_state_dict``) since the last step
     master_loaded: bool = False
+    #: ``(weak reference to a tensor, weak references to plane tensors)`` per same-device cast or
+    #: GEMM transpose view made of that tensor: a GEMM on a tensor holding those plane tensors reads
+    #: the planes that tensor holds by then (see :meth:`read_through_` and ``ops/copies.reads_from``)
+    read_through: list = field(default_factory=list)
 
     def link_master_(self, master: torch.Tensor) -> None:
         """Record ``master`` (an ``nn.Parameter``, a DTensor like the weight when sharded) as the
@@ -226,6 +253,32 @@ class FP8ParamState:
     def master_tensor(self) -> torch.Tensor | None:
         """The linked master, or ``None`` (no optimizer, or it is gone)."""
         return None if self.master is None else self.master()
+
+    def read_through_(self, tensors: tuple, source: torch.Tensor) -> None:
+        """Make a GEMM on any tensor holding the plane tensors ``tensors`` read the planes
+        ``source`` holds at the time of the GEMM (a cast of ``source`` to another nominal dtype over
+        the same bytes, or a GEMM's transpose view of it, made now). Kept by identity, without
+        keeping any of them alive: an entry goes when its tensors do.
+
+        Args:
+            tensors: ``QuantizedTensor.plane_tensors()`` of the new tensor (``source``'s now).
+            source: the tensor to read through to (itself no such cast: see ``reads_from``).
+
+        Example:
+            >>> q.param_state.read_through_(cast.plane_tensors(), q)
+        """
+        live = [e for e in self.read_through
+                if e[0]() is not None and all(r is None or r() is not None for r in e[1]) and not _same(e[1], tensors)]
+        live.append((weakref.ref(source), tuple(None if t is None else weakref.ref(t) for t in tensors)))
+        self.read_through[:] = live
+
+    def read_through_source(self, tensors: tuple) -> torch.Tensor | None:
+        """The tensor a GEMM on a holder of the plane tensors ``tensors`` reads (see
+        :meth:`read_through_`), or ``None``."""
+        for source, refs in self.read_through:
+            if _same(refs, tensors):
+                return source()
+        return None
 
     def home_parameter(self) -> torch.Tensor | None:
         """The parameter at :attr:`home` now (after ``fully_shard``: the DTensor), or ``None``."""

@@ -3,8 +3,12 @@
 [Note: what a QuantizedTensor is]
 A wrapper subclass with the *nominal* dtype (bf16/fp32) and logical shape of the weight it
 replaces. It holds the planes its recipe stores (``rowwise`` and/or ``columnwise``, each FP8 data +
-``scale_inv`` in the logical orientation, see ``formats/base.py``), the usages it can serve, and,
-for transpose-derived recipes, an optional transpose cache (TE's physical ``(K, M)`` copy).
+``scale_inv`` in the logical orientation, see ``formats/base.py``), optionally a values plane
+(``hp_init``: high-precision values of the same elements), and the usages it can serve. It is
+storage: what the parameter keeps besides (whether its bytes are still pending, scaling state,
+per-gather state, the transpose cache TE's backward GEMM reads, what a cast reads through to) is
+its owner record's (``param_state.py``), shared by every tensor derived from it, so an op making a
+new tensor hands on planes and nothing else (``tests/test_structure.py`` checks the fields).
 
 A tensor may hold a subset of the planes: FSDP's forward gather produces one with only the rowwise
 plane, the backward gather one with only the columnwise plane. Reading a plane the tensor does not
@@ -35,6 +39,8 @@ def one_byte_as_uint8(t: torch.Tensor) -> torch.Tensor:
 
 #: The inner-tensor attributes of a :class:`QuantizedTensor`, per stored plane: FP8 data and scale_inv.
 PLANE_ATTRS = {usage: (f"{usage}_data", f"{usage}_scale_inv") for usage in USAGES}
+#: ``rebuild``'s default for the values plane: the tensor's own (see ``QuantizedTensor.rebuild``).
+_SAME_VALUES = object()
 #: The four plane fields in :data:`PLANE_ATTRS` order, read in one call (see plane_tensors).
 _read_plane_fields = operator.attrgetter(*(a for pair in PLANE_ATTRS.values() for a in pair))
 
@@ -53,14 +59,12 @@ class QuantizedTensor(torch.Tensor):
         shape: logical shape.
         dtype: nominal high-precision dtype (what ``dequantize()`` returns by default).
         usages: which usages this tensor can serve; defaults to what the planes allow.
-        transpose: optional transpose cache (transpose-derived recipes only).
         requires_grad: as for any tensor.
         param_state: the :class:`FP8ParamState` of the parameter these planes belong to (a fresh
             one, holding no state, when omitted).
-        hp_init: high-precision values of this tensor's elements (its logical shape) that the
-            optimizer's masters start from (see :attr:`hp_init`).
-        bytes_pending: the planes are allocated but their bytes not made yet (a meta build,
-            see :attr:`bytes_pending`); needs ``hp_init``.
+        hp_init: the values plane: high-precision values of this tensor's elements (its logical
+            shape) that the optimizer's masters start from, or whose bytes are still to be made
+            (see :attr:`hp_init`).
 
     Example:
         >>> plane = MXFP8().quantize_plane(torch.randn(64, 64), "rowwise")
@@ -68,38 +72,34 @@ class QuantizedTensor(torch.Tensor):
     """
 
     # [Note: the fields of a QuantizedTensor]
-    # These are all of its fields; nothing else is attached to an instance (what a gather keeps
-    # between gathers lives in the parameter's owner record, ``param_state``, see param_state.py).
+    # These are all of its fields; nothing else is attached to an instance (lifecycle state lives
+    # in the parameter's owner record, ``param_state``, see param_state.py).
     # The inner tensors are plain attributes, named by ``__tensor_flatten__``: torch.compile
     # (dynamo, AOTAutograd) takes a QuantizedTensor apart into them and rebuilds it with
     # ``__tensor_unflatten__``; an absent plane is ``None`` and not listed. The recipe, usages and
     # nominal dtype are constant metadata (the flatten context: a compiled graph is specialized on
     # them, and a tensor holding other usages compiles another graph). :meth:`repoint_` is the one
-    # way to change what a tensor holds after construction. The transpose cache is an eager-side
-    # cache of TE's physical layout, not traced state: it is not flattened, so compiled code reads
-    # the shared plane (the same values, see :meth:`columnwise_matrix`).
+    # way to change what a tensor holds after construction. The transpose cache is not a field: the
+    # owner keeps it, keyed on the plane tensors it was built from (see :attr:`transpose_cache`).
     rowwise_data: torch.Tensor | None  #: rowwise plane: FP8 data (M, K)
     rowwise_scale_inv: torch.Tensor | None  #: rowwise plane: its block scales
     columnwise_data: torch.Tensor | None  #: columnwise plane (MXFP8, 1x128 blockwise): FP8 data (M, K)
     columnwise_scale_inv: torch.Tensor | None  #: columnwise plane: its block scales
-    _transpose: torch.Tensor | None  #: transpose cache: TE's (K, M) copy of the shared plane
     _recipe: Recipe  #: the recipe that made the planes
     _usages: tuple[str, ...]  #: usages this tensor serves, in USAGES order
     #: the parameter's owner record (scaling states; see param_state.py), shared by every tensor
     #: derived from the same parameter; eager-side, not flattened (a compiled graph is not
     #: specialized on it)
     _param_state: FP8ParamState
-    #: high-precision values the masters start from, sliced and padded with the planes (see hp_init)
-    _hp_init: torch.Tensor | None
-    #: planes allocated, bytes not made yet: a meta build awaiting finish_init_ (see bytes_pending)
-    _bytes_pending: bool
-    #: for a same-device ``to(dtype)`` of another tensor: (that source, the plane tensors this one was
-    #: made with), so a GEMM on the cast reads the source's current planes (ops/copies.reads_from)
-    _cast_source: tuple | None
+    #: the values plane: high-precision values of the elements (the logical shape), for the masters
+    #: to start from or, while the owner's bytes are pending, for the FP8 bytes to be made from;
+    #: sliced, padded and moved with the FP8 planes, so FSDP's shard holds its own rows only. Eager-side,
+    #: not flattened: compiled code runs on made bytes only. ``None`` when not kept, or once taken.
+    hp_init: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                usages=None, transpose=None, requires_grad=False, param_state=None, hp_init=None, bytes_pending=False):
+                usages=None, requires_grad=False, param_state=None, hp_init=None):
         some = rowwise_data if rowwise_data is not None else columnwise_data
         if some is None:
             raise RecipeError(f"{recipe.name}: a QuantizedTensor needs at least one plane")
@@ -108,33 +108,28 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def __init__(self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                 usages=None, transpose=None, requires_grad=False, param_state=None, hp_init=None, bytes_pending=False):
+                 usages=None, requires_grad=False, param_state=None, hp_init=None):
         self._recipe = recipe
         self._param_state = FP8ParamState() if param_state is None else param_state
-        if bytes_pending and hp_init is None:
-            raise RecipeError(f"{recipe.name}: a QuantizedTensor whose bytes are pending needs its hp_init values")
         if hp_init is not None and tuple(hp_init.shape) != tuple(shape):
             raise RecipeError(f"{recipe.name}: hp_init of shape {tuple(hp_init.shape)} for a tensor of shape {tuple(shape)}")
-        self._hp_init = hp_init
-        self._bytes_pending = bool(bytes_pending)
-        self._cast_source = None
+        self.hp_init = hp_init
         planes = {}
         if rowwise_data is not None:
             planes[ROWWISE] = Plane(rowwise_data, rowwise_scale_inv)
         if columnwise_data is not None:
             planes[COLUMNWISE] = Plane(columnwise_data, columnwise_scale_inv)
-        self._set_planes(planes, usages, transpose)
+        self._set_planes(planes, usages)
 
     @classmethod
     def from_planes(cls, planes: dict[str, Plane], recipe: Recipe, shape, dtype: torch.dtype,
-                    usages: tuple[str, ...] | None = None, transpose: torch.Tensor | None = None,
-                    requires_grad: bool = False, *, param_state: FP8ParamState | None = None,
-                    hp_init: torch.Tensor | None = None, bytes_pending: bool = False) -> "QuantizedTensor":
+                    usages: tuple[str, ...] | None = None, requires_grad: bool = False, *, param_state: FP8ParamState | None = None,
+                    hp_init: torch.Tensor | None = None) -> "QuantizedTensor":
         """A QuantizedTensor holding ``planes`` (stored planes by usage, logical orientation).
 
         Args:
             planes: ``{"rowwise": Plane, "columnwise": Plane}``, either or both.
-            recipe, shape, dtype, usages, transpose, requires_grad: as for the constructor.
+            recipe, shape, dtype, usages, requires_grad, param_state, hp_init: as for the constructor.
 
         Example:
             >>> q = QuantizedTensor.from_planes({"rowwise": plane}, MXFP8(), (64, 64), torch.float32)
@@ -146,10 +141,10 @@ class QuantizedTensor(torch.Tensor):
         return cls(
             None if row is None else row.data, None if row is None else row.scale_inv,
             None if col is None else col.data, None if col is None else col.scale_inv,
-            recipe, shape, dtype, usages, transpose, requires_grad, param_state, hp_init, bytes_pending,
+            recipe, shape, dtype, usages, requires_grad, param_state, hp_init,
         )
 
-    def _set_planes(self, planes: dict[str, Plane], usages, transpose) -> None:
+    def _set_planes(self, planes: dict[str, Plane], usages) -> None:
         recipe = self._recipe
         unknown = set(planes) - set(USAGES)
         if unknown:
@@ -164,7 +159,6 @@ class QuantizedTensor(torch.Tensor):
             setattr(self, data_attr, None if plane is None else plane.data)
             setattr(self, scale_attr, None if plane is None else plane.scale_inv)
         self._usages = tuple(u for u in USAGES if u in usages)
-        self._transpose = transpose
 
     # ---- accessors --------------------------------------------------------------------------------
     @property
@@ -193,48 +187,23 @@ class QuantizedTensor(torch.Tensor):
         return self._param_state
 
     @property
-    def hp_init(self) -> torch.Tensor | None:
-        """High-precision values the optimizer's masters start from (this tensor's logical shape;
-        ``None`` once taken, or when not kept): the weight as initialized, not its FP8 rounding.
-        Sliced, padded and moved with the planes, so FSDP's shard holds its own rows only."""
-        return self._hp_init
-
-    @property
     def bytes_pending(self) -> bool:
-        """Whether the FP8 bytes are still to be made from :attr:`hp_init` (a model built on the
-        meta device: the user's init writes :attr:`hp_init`; ``dtensor_fp8.finish_init_``, which
-        :class:`MasterWeightOptimizer` calls, quantizes it). Reading a plane raises until then."""
-        return self._bytes_pending
+        """Whether the parameter's FP8 bytes are still to be made from :attr:`hp_init` (a model
+        built on the meta device: the user's init writes :attr:`hp_init`;
+        ``dtensor_fp8.finish_init_``, which :class:`MasterWeightOptimizer` calls, quantizes it).
+        The owner's (``param_state.bytes_pending``): one answer for the shard and every tensor
+        derived from it. Reading a plane raises until then."""
+        return self._param_state.bytes_pending
 
     def take_hp_init(self) -> torch.Tensor | None:
-        """Hand :attr:`hp_init` over (to become a master) and drop this tensor's reference.
+        """Hand the values plane (:attr:`hp_init`) over (to become a master) and drop this
+        tensor's reference.
 
         Example:
             >>> master = shard.take_hp_init()   # None if it was not kept
         """
-        hp, self._hp_init = self._hp_init, None
+        hp, self.hp_init = self.hp_init, None
         return hp
-
-    def mark_bytes_made_(self) -> None:
-        """Record that the planes now hold the bytes of :attr:`hp_init` (``finish_init_``)."""
-        self._bytes_pending = False
-
-    def mark_cast_of_(self, source: "QuantizedTensor") -> None:
-        """Record that this tensor is ``source`` under another nominal dtype, over the same plane
-        tensors (see ``ops/copies.reads_from``)."""
-        self._cast_source = (source, self.plane_tensors())
-
-    @property
-    def cast_source(self) -> tuple | None:
-        """``(source, plane tensors at the cast)`` for a same-device ``to(dtype)`` of ``source``, else ``None``."""
-        return self._cast_source
-
-    def mark_bytes_pending_(self) -> None:
-        """Record that :attr:`hp_init` now holds values whose bytes are still to be made (FSDP2
-        copying a pending shard into its padded shard); needs :attr:`hp_init`."""
-        if self._hp_init is None:
-            raise RecipeError(f"{self._recipe.name}: a QuantizedTensor whose bytes are pending needs its hp_init values")
-        self._bytes_pending = True
 
     def plane_tensors(self) -> tuple:
         """The inner tensors, ``(rowwise data, rowwise scale_inv, columnwise data, columnwise
@@ -300,7 +269,7 @@ class QuantizedTensor(torch.Tensor):
 
     def check_bytes_made(self) -> None:
         """Raise, with the fix, if this weight's FP8 bytes are still pending (see :attr:`bytes_pending`)."""
-        if self._bytes_pending:
+        if self._param_state.bytes_pending:
             raise RecipeError(
                 f"{self._recipe.name}: this FP8 weight of shape {tuple(self.shape)} was built on the meta device and "
                 "its FP8 bytes are not made yet. After model.to_empty(...) and your init, build the "
@@ -335,8 +304,7 @@ class QuantizedTensor(torch.Tensor):
         usage = usage or self._usages[0]
         return self._recipe.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
 
-    def repoint_(self, planes: dict[str, Plane], usages: tuple[str, ...] | None = None,
-                 transpose: torch.Tensor | None = None) -> "QuantizedTensor":
+    def repoint_(self, planes: dict[str, Plane], usages: tuple[str, ...] | None = None) -> "QuantizedTensor":
         """Point this tensor at other planes of the same recipe and logical shape, in place (the one
         way to change what a QuantizedTensor holds: FSDP2 re-uses its unsharded parameter object
         across gathers).
@@ -344,34 +312,53 @@ class QuantizedTensor(torch.Tensor):
         Args:
             planes: the new planes by usage.
             usages: usages they serve (default: what ``planes`` allow).
-            transpose: a transpose cache matching ``planes`` (default: none).
 
         Example:
             >>> unsharded.repoint_(gathered.planes, gathered.usages)
         """
-        self._set_planes(planes, usages, transpose)
+        self._set_planes(planes, usages)
         return self
 
     # ---- transpose cache ----------------------------------------------------------------------------
+    # [Note: the transpose cache lives in the owner]
+    # TE's backward GEMM for per-tensor and 128x128 recipes reads a physical (K, M) copy of the
+    # shared plane. The parameter's owner record keeps it (``param_state.gather.transpose``) with the
+    # plane tensors it was built from; a tensor sees it while it holds those very tensors
+    # (:meth:`holds`), so every alias of the gathered weight (FSDP2's ``as_strided`` and
+    # ``nn.Parameter``, autocast's cast, a GEMM's transpose view) finds it without any op carrying
+    # it, and a tensor re-pointed at other planes (the next gather, a load) does not. It is dropped
+    # after its one use (the input-gradient GEMM), when the planes are rewritten in place (``copy_``,
+    # a requantization) and at the next gather (``GatherState.start_gather``): it never outlives
+    # the unsharded weight it was built for.
     @property
     def transpose_cache(self) -> torch.Tensor | None:
-        """TE's transposed ``(K, M)`` copy of the shared plane, if built (see :meth:`create_transpose_cache`)."""
-        return self._transpose
+        """TE's transposed ``(K, M)`` copy of the shared plane, if built for the planes this tensor
+        holds (see :meth:`create_transpose_cache`)."""
+        kept = self._param_state.gather.transpose
+        if kept is None or COLUMNWISE not in self._usages or not self.holds(kept[0]):
+            return None
+        return kept[1]
 
     def create_transpose_cache(self) -> torch.Tensor | None:
-        """Build TE's transposed copy of the shared plane (transpose-derived recipes); idempotent.
+        """Build TE's transposed copy of the shared plane (transpose-derived recipes serving the
+        columnwise usage; ``None`` otherwise) and keep it in the owner record; idempotent.
 
         Example:
             >>> q.create_transpose_cache().shape   # (K, M)
         """
-        if self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages and self._transpose is None:
-            self._transpose = self._recipe.transpose_cache(self.plane(COLUMNWISE))  # the shared plane
-        return self._transpose
+        if not (self._recipe.columnwise_is_transpose and COLUMNWISE in self._usages):
+            return None
+        cache = self.transpose_cache
+        if cache is None:
+            cache = self._recipe.transpose_cache(self.plane(COLUMNWISE))  # the shared plane
+            self._param_state.gather.transpose = (self.plane_tensors(), cache)
+        return cache
 
     def discard_transpose_cache(self) -> None:
-        """Drop the transpose cache (after its one use, or when the planes change)."""
-        if self._transpose is not None:  # no write otherwise: compiled code runs this as a no-op
-            self._transpose = None
+        """Drop the parameter's transpose cache (after its one use, or when the planes change)."""
+        gather = self._param_state.gather
+        if gather.transpose is not None:  # no write otherwise: compiled code runs this as a no-op
+            gather.transpose = None
 
     def columnwise_matrix(self, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized ``(M, K)`` values as the backward GEMM reads them: from the columnwise
@@ -387,24 +374,31 @@ class QuantizedTensor(torch.Tensor):
         """
         if self._recipe.columnwise_is_transpose:
             plane = self.plane(COLUMNWISE)  # the shared plane; raises if COLUMNWISE is not served
-            data = plane.data if self._transpose is None else self._transpose.t()
+            cache = self.transpose_cache
+            data = plane.data if cache is None else cache.t()
             return self._recipe.decode(data, plane.scale_inv, COLUMNWISE, dtype)
         return self.dequantize(dtype, COLUMNWISE)
 
     # ---- construction helpers -------------------------------------------------------------------
-    def rebuild(self, planes: dict[str, Plane] | None = None, *, shape=None, usages=None, transpose=None,
-                dtype=None, hp_init=None, bytes_pending=False) -> "QuantizedTensor":
+    def rebuild(self, planes: dict[str, Plane] | None = None, *, shape=None, usages=None,
+                dtype=None, hp_init=_SAME_VALUES) -> "QuantizedTensor":
         """A new QuantizedTensor of this recipe and parameter (the same :attr:`param_state`): these
-        planes / shape / usages / dtype unless given (the transpose cache, ``hp_init`` and
-        ``bytes_pending`` only when passed: ops that keep the elements pass them on).
+        planes / shape / usages / dtype / values plane (:attr:`hp_init`) unless given. An op that
+        changes the shape gives the values plane its new shape, as it does the FP8 planes: keeping
+        this tensor's would raise, so no op drops the values by omission.
+
+        Args:
+            planes: the FP8 planes by usage (default: this tensor's).
+            shape, usages, dtype: of the new tensor (default: this tensor's).
+            hp_init: its values plane (default: this tensor's; ``None``: none).
 
         Example:
             >>> q.rebuild(q.planes, dtype=torch.float32)   # same bytes, another nominal dtype
         """
         return QuantizedTensor.from_planes(
             self.planes if planes is None else planes, self._recipe, self.shape if shape is None else shape,
-            dtype or self.dtype, self._usages if usages is None else usages, transpose,
-            param_state=self._param_state, hp_init=hp_init, bytes_pending=bytes_pending,
+            dtype or self.dtype, self._usages if usages is None else usages,
+            param_state=self._param_state, hp_init=self.hp_init if hp_init is _SAME_VALUES else hp_init,
         )
 
     def with_usages(self, *usages: str) -> "QuantizedTensor":
@@ -416,7 +410,7 @@ class QuantizedTensor(torch.Tensor):
         return self.rebuild({k: v for k, v in self.planes.items() if k in stored}, usages=usages)
 
     def inner_tensors(self) -> list[torch.Tensor]:
-        """Every FP8 data and scale tensor this tensor holds (the transpose cache excluded)."""
+        """Every FP8 data and scale tensor this tensor holds."""
         return [getattr(self, name) for name in self.__tensor_flatten__()[0]]
 
     # ---- torch.compile: the traceable-subclass protocol -----------------------------------------------

@@ -404,3 +404,57 @@ def test_formats_imports_at_run_time_have_no_cycle():
     assert graph, "no import of formats/ was recorded"
     found = sorted(_cycles(graph))
     assert not found, "formats/ imports that come back at run time: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+# ---- QuantizedTensor is storage (issue 38) ------------------------------------------------------------
+#: What a ``QuantizedTensor`` instance may hold: its planes (the FP8 planes' inner tensors and the
+#: high-precision values plane, ``hp_init``), recipe, usages and the reference to its owner record.
+#: Its nominal dtype and shape are the wrapper's own. Lifecycle (whether the bytes are pending, what a
+#: cast reads through to, the transpose cache, scaling and gather state) is the owner's
+#: (``param_state.py``), so no op making a new tensor can drop it.
+QUANTIZED_TENSOR_FIELDS = {"rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "hp_init",
+                           "_recipe", "_usages", "_param_state"}
+#: What torch itself sets on a tensor instance (``nn.Parameter`` of a tensor subclass marks it).
+TORCH_INSTANCE_FIELDS = {"_is_param"}
+
+
+def fields_beyond_storage(declared, instances) -> list[str]:
+    """Fields a QuantizedTensor class declares (``declared``: its annotations) or its ``instances``
+    hold beyond :data:`QUANTIZED_TENSOR_FIELDS`."""
+    found = set(declared) | {name for t in instances for name in vars(t) if name not in TORCH_INSTANCE_FIELDS}
+    return sorted(found - QUANTIZED_TENSOR_FIELDS)
+
+
+def test_the_storage_check_sees_what_it_looks_for():
+    class Grown:  # the fields QuantizedTensor had before issue 38
+        pass
+
+    g = Grown()
+    g._transpose, g._cast_source, g._is_param = None, None, True
+    assert fields_beyond_storage({"_recipe": "Recipe", "_bytes_pending": "bool"}, [g]) == [
+        "_bytes_pending", "_cast_source", "_transpose"]
+    assert fields_beyond_storage({"rowwise_data": "Tensor", "_param_state": "FP8ParamState"}, []) == []
+
+
+def test_quantized_tensor_holds_storage_only():
+    import torch
+    import torch.nn.functional as F
+
+    import dtensor_fp8 as d
+    from dtensor_fp8.module import fp8_parameter_values
+
+    instances = []
+    for recipe in (d.CurrentScaling(), d.MXFP8()):
+        q = d.quantize(torch.randn(128, 128), recipe)
+        q.create_transpose_cache()
+        x = torch.randn(4, 128, requires_grad=True)
+        F.linear(x, q).sum().backward()  # the GEMMs, their transpose cache
+        instances += [q, q.detach(), q.to(torch.bfloat16), q.t().t(), q[:64], torch.nn.Parameter(q), q.clone(),
+                      fp8_parameter_values(torch.randn(128, 128), recipe)]
+        pending = fp8_parameter_values(torch.empty(128, 128, device="meta"), recipe)
+        instances += [pending, pending.new_zeros((256, 128)), torch.empty_like(pending, device="cpu")]
+    assert not fields_beyond_storage(d.QuantizedTensor.__annotations__, instances), (
+        "QuantizedTensor holds more than its storage: "
+        f"{fields_beyond_storage(d.QuantizedTensor.__annotations__, instances)}. Keep lifecycle state (pending "
+        "bytes, casts, caches, per-gather or scaling state) in its owner record, FP8ParamState (param_state.py), "
+        "where every tensor derived from the parameter finds it")

@@ -273,12 +273,22 @@ def test_transpose_cache(name):
     assert t is not None and tuple(t.shape) == (384, 256) and t.is_contiguous()
     assert torch.equal(u8(t), u8(q.plane("rowwise").data).t().contiguous())
     assert q.create_transpose_cache() is t  # idempotent
+    # the owner keeps it for whatever holds these planes: aliases see it without an op carrying it
+    assert q.detach().transpose_cache is t and q.to(torch.bfloat16).transpose_cache is t
+    assert q.param_state.gather.transpose[1] is t
+    assert q[:128].transpose_cache is None  # other plane tensors (views of some rows): not theirs
+    other = d.quantize(torch.randn(256, 384), RECIPES[name], **({"scale": 2.0} if name == "delayed" else {}))
+    moved = q.detach().repoint_(other.planes)
+    assert moved.transpose_cache is None and q.transpose_cache is t
     te = d.te_layout(q)
     key = "_transpose" if name != "block2d" else "_columnwise_data"
     assert torch.equal(te[key], u8(t))
     w_row = ref_dequant(q.planes["rowwise"], BLOCKS[name]["rowwise"])
     assert torch.equal(q.columnwise_matrix(torch.float32), w_row)
-    q.discard_transpose_cache()
+    q.detach().discard_transpose_cache()  # an alias drops the parameter's cache
+    assert q.transpose_cache is None and q.param_state.gather.transpose is None
+    q.create_transpose_cache()
+    q.param_state.gather.start_gather()  # and the next gather does
     assert q.transpose_cache is None
     x = torch.randn(4, 384, requires_grad=True)
     grad = torch.randn(4, 256)
@@ -327,3 +337,39 @@ def test_holds_tells_in_place_writes_from_replaced_planes():
     other = d.quantize(torch.randn(128, 128), d.RECIPES["current"])
     q.repoint_(other.planes, other.usages)  # replaced (a checkpoint load): no longer
     assert not q.holds(kept) and q.holds(other.plane_tensors())
+
+
+# ---- lifecycle in the owner record (issue 38) ------------------------------------------------------------
+def test_a_cast_and_its_aliases_read_what_the_source_holds_now():
+    """``ops/copies.reads_from``: the owner keeps which tensor a same-device cast reads through to,
+    keyed on its plane tensors, so an alias of the cast (which no op told) reads through as well."""
+    from dtensor_fp8.ops.copies import reads_from
+
+    _, w = make("mxfp8", shape=(128, 128), seed=7)
+    cast = w.to(torch.bfloat16)
+    alias = cast.detach()
+    assert reads_from(cast) is w and reads_from(alias) is w and reads_from(cast.to(torch.float16)) is w
+    _, other = make("mxfp8", shape=(128, 128), seed=8)
+    w.repoint_(other.planes)  # FSDP2's backward gather re-points the unsharded weight
+    assert reads_from(alias) is w and reads_from(w) is w
+    alias.repoint_(make("mxfp8", shape=(128, 128), seed=9)[1].planes)  # a cast re-pointed itself: its own
+    assert reads_from(alias) is alias and reads_from(cast) is w
+    assert reads_from(make("mxfp8", shape=(128, 128))[1]) is not w  # a tensor made otherwise: itself
+
+
+def test_the_values_plane_goes_where_the_fp8_planes_go():
+    from dtensor_fp8.module import fp8_parameter_values
+
+    q = fp8_parameter_values(torch.randn(256, 128), d.MXFP8())
+    assert q.hp_init is not None and not q.bytes_pending
+    top = q[:128]
+    assert torch.equal(top.hp_init, q.hp_init[:128]) and torch.equal(q.detach().hp_init, q.hp_init)
+    padded = torch.nn.functional.pad(top, (0, 0, 0, 32))
+    assert torch.equal(padded.hp_init[:128], top.hp_init) and not padded.hp_init[128:].any()
+    assert torch.equal(torch.cat([top, q[128:]]).hp_init, q.hp_init)
+    with pytest.raises(d.RecipeError, match="hp_init of shape"):  # an op cannot drop it by omission
+        q.rebuild({u: p for u, p in top.planes.items()}, shape=(128, 128))
+    pending = fp8_parameter_values(torch.empty(256, 128, device="meta"), d.MXFP8())
+    assert pending.bytes_pending and pending[:128].bytes_pending  # the owner's flag: one for all
+    pending.param_state.bytes_pending = False
+    assert not pending[:128].bytes_pending

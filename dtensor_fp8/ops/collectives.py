@@ -57,7 +57,10 @@ def _all_gather_into_tensor(func, args, kwargs):
             )
         shared_scale = block is None
         planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
-    return q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]])
+    # The FP8 planes only: a kept values plane (``hp_init``) is each rank's own, for its masters to
+    # start from, and a gathered copy is no parameter's (gathering it would add high-precision bytes
+    # to every full_tensor(), checkpoints' included).
+    return q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]], hp_init=None)
 
 
 @QUANTIZED_OPS.implements([c10d.wait_tensor.default])

@@ -24,8 +24,8 @@ def _alias(func, args, kwargs):
 
 
 def same_elements(q: QuantizedTensor) -> QuantizedTensor:
-    """A new tensor over ``q``'s planes, transpose cache and init values (an alias)."""
-    return q.rebuild(transpose=q.transpose_cache, hp_init=q.hp_init, bytes_pending=q.bytes_pending)
+    """A new tensor over ``q``'s planes and init values (an alias)."""
+    return q.rebuild()
 
 
 @QUANTIZED_OPS.implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
@@ -61,7 +61,7 @@ def _view(func, args, kwargs):
 def _clone(func, args, kwargs):
     q = args[0]
     hp = None if q.hp_init is None else q.hp_init.clone()
-    return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()}, hp_init=hp, bytes_pending=q.bytes_pending)
+    return q.rebuild({u: p.map(torch.clone) for u, p in q.planes.items()}, hp_init=hp)
 
 
 @QUANTIZED_OPS.implements([aten._to_copy.default])
@@ -74,9 +74,10 @@ def _to_copy(func, args, kwargs):
     # Init values awaiting their bytes move with the planes (the user's init runs where they
     # are); kept ones stay where quantize_module_ put them (off the accelerator).
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
-    out = q.rebuild(planes, dtype=dtype, hp_init=hp, bytes_pending=q.bytes_pending)
-    if q.holds(out.plane_tensors()):  # the same bytes (no device move): q under another nominal dtype
-        out.mark_cast_of_(q)
+    out = q.rebuild(planes, dtype=dtype, hp_init=hp)
+    tensors = out.plane_tensors()
+    if q.holds(tensors):  # the same bytes (no device move): q under another nominal dtype
+        q.param_state.read_through_(tensors, reads_from(q))
     return out
 
 
@@ -92,7 +93,11 @@ def reads_from(q: QuantizedTensor) -> QuantizedTensor:
     at the columnwise planes afterwards (``QuantizedTensor.repoint_``), which the cast made in
     forward would not see: reading through to the source gives the backward GEMM the planes the
     backward gather delivered, as without autocast. A cast that was itself re-pointed since (a
-    checkpoint load into a model converted with ``model.to(dtype)``) reads its own planes.
+    checkpoint load into a model converted with ``model.to(dtype)``) reads its own planes. The
+    owner record keeps which tensor a cast reads through to, keyed on the plane tensors the cast
+    was made over (``FP8ParamState.read_through_``): every alias of the cast (a detach, a view,
+    a GEMM's transpose view) holds them too and reads through the same way, with nothing carried
+    by the ops that made it.
 
     Args:
         q: a quantized GEMM operand.
@@ -101,11 +106,9 @@ def reads_from(q: QuantizedTensor) -> QuantizedTensor:
         >>> reads_from(q.to(torch.bfloat16)) is q
         True
     """
-    while True:  # a cast of a cast reads the first source (each points to an older tensor)
-        entry = q.cast_source
-        if entry is None or not q.holds(entry[1]):
-            return q
-        q = entry[0]
+    # A cast of a cast was recorded with the first source (read_through_ is given reads_from(q)).
+    source = q.param_state.read_through_source(q.plane_tensors())
+    return q if source is None else source
 
 
 @QUANTIZED_OPS.implements([aten.new_zeros.default, aten.new_empty.default])
@@ -157,7 +160,7 @@ def _copy_(func, args, kwargs):
             raise RecipeError(f"copy_: {src.recipe.name} source of shape {tuple(src.shape)} holds init values without "
                               "FP8 bytes; the destination has no room for them (make it with new_zeros/empty_like)")
         dst.hp_init.copy_(src.hp_init)
-        dst.mark_bytes_pending_()
+        dst.param_state.bytes_pending = True  # another owner's values (the same owner: already pending)
         return dst
     if src.recipe != dst.recipe:
         raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")

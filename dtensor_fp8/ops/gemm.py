@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..formats.base import ROWWISE, RecipeError
 from ..linear import quantized_linear
@@ -18,10 +17,6 @@ aten = torch.ops.aten
 
 # ``F.linear(x, W)`` with a quantized ``W`` (not under TP): the emulated FP8 linear of linear.py.
 QUANTIZED_FUNCTIONS.implements([F.linear])(quantized_linear)
-
-#: ``W^T^T`` -> the ``W`` whose planes it reads at GEMM time (owned here; see ``_transpose_back``).
-_READS_THROUGH: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
 
 # [Note: which plane a local GEMM reads]
 # Under ColwiseParallel / RowwiseParallel the weight is a DTensor, so ``F.linear(x, w)`` never reaches
@@ -103,9 +98,10 @@ def _transpose_back(func, args, kwargs):
         raise RecipeError(f"only the 2-D transpose of a quantized weight is supported, got {func}{tuple(args[1:])}")
     base = args[0]._base_q
     # A new object (autograd's view tracking forbids returning the base itself) that reads through
-    # to ``base``: when this runs in backward, ``base`` holds what FSDP's backward gather put in it.
-    out = base.rebuild(transpose=base.transpose_cache)
-    _READS_THROUGH[out] = base
+    # to ``base`` (through its owner record, see ops/copies.reads_from): when this runs in
+    # backward, ``base`` holds what FSDP's backward gather put in it.
+    out = base.rebuild()
+    base.param_state.read_through_(out.plane_tensors(), reads_from(base))
     return out
 
 
@@ -127,7 +123,7 @@ def _gemm_operand(t, position: str, dtype: torch.dtype):
         q, transposed = t, False
     else:
         return t, None
-    q = reads_from(_READS_THROUGH.get(q, q))
+    q = reads_from(q)
     if q.dim() != 2:
         raise RecipeError(f"{q.recipe.name}: GEMM on a quantized tensor of shape {tuple(q.shape)}; expected 2-D")
     contracted = 1 if position == "left" else 0  # in the operand's own (possibly transposed) dims

@@ -98,7 +98,7 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     shape = list(q.shape)
     shape[dim] = end - start
     hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
-    return q.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=q.bytes_pending)
+    return q.rebuild(planes, shape=shape, hp_init=hp)
 
 
 def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> QuantizedTensor:
@@ -165,8 +165,8 @@ def _as_strided(func, args, kwargs):
             f"{q.recipe.name}: as_strided{tuple(size), tuple(stride), offset} on a quantized weight of shape "
             f"{tuple(q.shape)}: only a leading-rows view (FSDP's un-padding) is supported"
         )
-    if size[0] == q.shape[0]:  # the whole tensor: the transpose cache still matches
-        return q.rebuild(transpose=q.transpose_cache, hp_init=q.hp_init, bytes_pending=q.bytes_pending)
+    if size[0] == q.shape[0]:  # the whole tensor: its own planes (and so the owner's transpose cache)
+        return q.rebuild()
     return slice_quantized(q, 0, 0, size[0])
 
 
@@ -191,7 +191,7 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTen
     hp = None
     if q.hp_init is not None:
         hp = torch.zeros(shape, dtype=q.hp_init.dtype, device=device if q.bytes_pending else q.hp_init.device)
-    return q.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=q.bytes_pending)
+    return q.rebuild(planes, shape=shape, hp_init=hp)
 
 
 @QUANTIZED_OPS.implements([aten.constant_pad_nd.default])
@@ -264,9 +264,9 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
         planes[usage] = Plane(data, scale)
     shape = list(first.shape)
     shape[dim] = sum(t.shape[dim] for t in tensors)
-    hp, pending = None, any(t.bytes_pending for t in tensors)
+    hp = None
     if all(t.hp_init is not None for t in tensors):
         hp = torch.cat([t.hp_init for t in tensors], dim)
-    elif pending:
+    elif any(t.bytes_pending for t in tensors):
         raise RecipeError(f"{first.recipe.name}: cannot concatenate weights whose FP8 bytes are pending with others")
-    return first.rebuild(planes, shape=shape, hp_init=hp, bytes_pending=pending)
+    return first.rebuild(planes, shape=shape, hp_init=hp)
