@@ -146,7 +146,10 @@ def _to_host(value):
 
 def _copy_back(target, host) -> None:
     if isinstance(target, torch.Tensor):
-        target.copy_(host)  # strided targets too (views into a bigger buffer)
+        # Outside autograd, as a native backend writes: pipelining's receive buffers are leaves
+        # that require grad, and autograd refuses an in-place copy_ into them.
+        with torch.no_grad():
+            target.copy_(host)  # strided targets too (views into a bigger buffer)
     else:
         for t, h in zip(target, host):
             _copy_back(t, h)

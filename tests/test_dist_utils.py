@@ -219,6 +219,14 @@ def _every_collective(device):
         recv = torch.empty_like(u8)
         dist.recv(recv, 0)
         out["recv"] = recv
+    if rank == 0:
+        dist.send(x, 1)
+    elif rank == 1:
+        # torch.distributed.pipelining receives activations into leaves that require grad; a
+        # native backend writes them outside autograd, so must the staging kernels.
+        leaf = torch.empty_like(x, requires_grad=True)
+        dist.recv(leaf, 0)
+        out["recv_into_leaf_requiring_grad"] = leaf.detach()
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     out["all_gather_object"] = objs
