@@ -16,7 +16,8 @@ what changes is c10d's kernel of each collective op (``torch.ops.c10d.allgather_
 ``alltoall_base_``, ``broadcast_``, ``send``, ``barrier``, ...) for the staged device: it copies
 every tensor argument into a contiguous host tensor, runs the same collective on the group's gloo
 backend with those host tensors, waits, copies the outputs back into the caller's tensors and
-returns a completed Work. Nothing is mocked or computed here: every byte still crosses real gloo,
+returns a completed Work (a send or receive returns at once, with a Work whose ``wait`` waits for
+gloo and copies back: a pipeline posts both before waiting). Nothing is mocked or computed here: every byte still crosses real gloo,
 reductions are gloo's. A correctness harness, not a speed one.
 
 Why op kernels, not a Python ``ProcessGroup`` subclass (torch's test_c10d_pypg.py style): such a
@@ -60,7 +61,8 @@ def _each(works) -> None:
 
 
 #: c10d op -> (index of the argument it writes and returns beside its Work, or None; how it runs
-#: on gloo, given the gloo backend and the op's arguments with every tensor on the host).
+#: on gloo, given the gloo backend and the op's arguments with every tensor on the host: it waits,
+#: or returns the gloo Work it left running).
 #: The tensor-list coalesced ops run as one gloo collective per tensor (gloo's Python backend
 #: binds no coalesced all-gather / reduce-scatter into tensors); the bytes are the same.
 RUNNERS = {
@@ -91,8 +93,11 @@ RUNNERS = {
     "alltoall_": (0, lambda be, a: be.alltoall(a[0], a[1], c10d.AllToAllOptions()).wait()),
     "alltoall_base_": (0, lambda be, a: be.alltoall_base(a[0], a[1], list(a[3]), list(a[4]),
                                                         c10d.AllToAllOptions()).wait()),
-    "send": (None, lambda be, a: be.send(a[0], a[2], a[3]).wait()),
-    "recv_": (0, lambda be, a: be.recv(a[0], a[2], a[3]).wait()),
+    # Point-to-point ops return gloo's Work still running: a pipeline schedule posts a send and a
+    # receive together and waits for both (1F1B: both stages send at once), so waiting inside the
+    # kernel would block each rank in its send with the peer's receive never posted.
+    "send": (None, lambda be, a: be.send(a[0], a[2], a[3])),
+    "recv_": (0, lambda be, a: be.recv(a[0], a[2], a[3])),
     "barrier": (None, lambda be, a: be.barrier(c10d.BarrierOptions()).wait()),
 }
 
@@ -161,6 +166,32 @@ def _completed(result):
     return c10d._create_work_from_future(future).boxed()  # ops return TorchBind Works
 
 
+#: the running point-to-point Works handed out and not yet waited. A boxed Python Work keeps only
+#: its C++ half alive; without this reference its ``wait`` (the copy back) would be lost to GC.
+_RUNNING: set = set()
+
+
+class _CopyBackOnWait(c10d.Work):
+    """A gloo Work left running, and what its host buffer is copied back into once it completes
+    (gloo's send / recv Works have no future to chain a copy onto)."""
+
+    def __init__(self, gloo_work, target, host):
+        super().__init__()
+        self._gloo_work, self._target, self._host = gloo_work, target, host
+        _RUNNING.add(self)
+
+    def wait(self, timeout=None):
+        self._gloo_work.wait()
+        if self._target is not None:
+            _copy_back(self._target, self._host)
+            self._target = self._host = None
+        _RUNNING.discard(self)
+        return True
+
+    def is_completed(self):
+        return self not in _RUNNING
+
+
 def _staging_kernel(op, out: int | None, run, device: str):
     group_index = [a.name for a in op._schema.arguments].index("process_group")
     returns_tensors = len(op._schema.returns) == 2  # (outputs, Work); else Work alone
@@ -176,10 +207,12 @@ def _staging_kernel(op, out: int | None, run, device: str):
         # Every tensor is copied first (outputs too: in-place ops read them, and an input may alias
         # an output, as in FSDP2's in-place all-gather), then gloo runs on the copies.
         host = [_to_host(a) for a in args]
-        run(gloo, host)  # waits; gloo's errors (timeout, closed connection, float8 dtype) raise here
+        running = run(gloo, host)  # gloo's errors (timeout, closed connection, float8 dtype) raise here
+        STAGED[op._schema.name, device] += 1
+        if isinstance(running, c10d.Work):  # point-to-point: copied back when the caller waits
+            return _CopyBackOnWait(running, None if out is None else args[out], None if out is None else host[out]).boxed()
         if out is not None:
             _copy_back(args[out], host[out])
-        STAGED[op._schema.name, device] += 1
         if returns_tensors:
             return args[out], _completed(args[out])
         return _completed(None)

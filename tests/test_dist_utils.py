@@ -231,6 +231,16 @@ def _every_collective(device):
         leaf = torch.empty_like(x, requires_grad=True)
         dist.recv(leaf, 0)
         out["recv_into_leaf_requiring_grad"] = leaf.detach()
+    if rank < 2:
+        # What a 1F1B pipeline does between two stages: each posts a send and a receive to the other
+        # before waiting for either (a kernel that waits inside send or receive deadlocks here).
+        peer = 1 - rank
+        for send_first in (True, False):
+            got = torch.empty_like(x, requires_grad=True)
+            ops = [dist.P2POp(dist.isend, x + rank, peer), dist.P2POp(dist.irecv, got, peer)]
+            for work in dist.batch_isend_irecv(ops if send_first else ops[::-1]):
+                work.wait()
+            out[f"exchange_send_first_{send_first}"] = got.detach()
     objs = [None] * world
     dist.all_gather_object(objs, {"rank": rank})
     out["all_gather_object"] = objs
