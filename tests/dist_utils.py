@@ -58,6 +58,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+import gloo_one_worker
 import rank_logs
 import staging_backend
 
@@ -71,7 +72,8 @@ class RankBackend(NamedTuple):
 
 
 BACKENDS = {
-    "gloo": RankBackend("gloo", "cpu", False),
+    # Real gloo with one worker thread per group (tests/gloo_one_worker.py says why).
+    "gloo": RankBackend(gloo_one_worker.NAME, "cpu", False),
     "nccl": RankBackend("nccl", "cuda", True),
     # Several ranks share cuda:0; every tensor, CUDA or CPU, is staged through host memory over
     # a real CPU gloo group (tests/staging_backend.py).
@@ -165,6 +167,8 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, backend
             torch.empty(1, device="cuda")  # the CUDA context now: start-up, not the first task, pays it
         if spec.process_group == staging_backend.NAME:
             staging_backend.register(spec.device)
+        if spec.process_group == gloo_one_worker.NAME:
+            gloo_one_worker.register()
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(spec.process_group, rank=rank, world_size=world_size, store=store,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))

@@ -10,7 +10,8 @@ Segmentation fault" from ``_functional_collectives.all_gather_tensor``: DTensor 
 so most of the distributed suite could not run at world 2 and 4 there.
 
 ``gloo_staged`` keeps gloo and takes CUDA out of it. Its process groups are ordinary c10d groups
-whose one backend, for both devices, is a real ``ProcessGroupGloo`` (built as for ``"gloo"``);
+whose one backend, for both devices, is a real ``ProcessGroupGloo`` (one worker thread, as the
+suite's CPU groups: tests/gloo_one_worker.py);
 what changes is c10d's kernel of each collective op (``torch.ops.c10d.allgather_``,
 ``_allgather_base_``, ``allgather_into_tensor_coalesced_``, ``reduce_scatter_``, ``allreduce_``,
 ``alltoall_base_``, ``broadcast_``, ``send``, ``barrier``, ...) for the staged device: it copies
@@ -40,6 +41,8 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
+
+import gloo_one_worker
 
 #: the backend name for ``init_process_group``
 NAME = "gloo_staged"
@@ -134,9 +137,10 @@ def register(device: str) -> None:
 
 
 def _create_gloo(store, rank: int, world_size: int, timeout):
-    """The backend of every ``gloo_staged`` group, for both devices: plain gloo (what ``"gloo"``
-    builds); CUDA tensors never reach it, the staging kernels hand it host copies."""
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    """The backend of every ``gloo_staged`` group, for both devices: gloo with one worker thread
+    (tests/gloo_one_worker.py says why); CUDA tensors never reach it, the staging kernels hand it
+    host copies."""
+    return gloo_one_worker.create(store, rank, world_size, timeout)
 
 
 def _to_host(value):

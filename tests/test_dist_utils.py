@@ -56,6 +56,26 @@ def test_results_are_host_tensors_bit_exact(pools):
             assert torch.equal(q.plane(usage).data.view(torch.uint8), ref.plane(usage).data.view(torch.uint8))
 
 
+def _gloo_worker_threads():
+    """How many worker threads the gloo backend of each group a task may use has: the world, a
+    DeviceMesh's sub-groups (what FSDP2, TP and pipelining run on), a new group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE, (world // 2, 2), mesh_dim_names=("pp", "dp")) if world % 2 == 0 else None
+    groups = [dist.group.WORLD, dist.new_group(list(range(world)))]
+    groups += [mesh.get_group(name) for name in ("pp", "dp")] if mesh is not None else []
+    return [g._get_backend(torch.device("cpu")).options._threads for g in groups]
+
+
+@pytest.mark.skipif(dist_utils.BACKEND == "nccl", reason="NCCL groups have no gloo worker threads")
+def test_every_gloo_group_of_the_ranks_runs_one_worker_thread(pools):
+    """tests/gloo_one_worker.py: gloo's two worker threads race on a heap string after each
+    collective (the note there); every group the ranks build, sub-groups included, has one."""
+    for threads in pools[WORLD].run(_gloo_worker_threads):
+        assert threads and set(threads) == {1}, threads
+
+
 @needs_two
 def test_a_rank_that_dies_is_reported_at_once(pools):
     started = time.monotonic()

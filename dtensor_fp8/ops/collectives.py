@@ -10,14 +10,16 @@ dim 0 (per-tensor) are already identical on every rank and are not sent.
 [Note: each plane's collective completes before its output is used]
 Each plane's collective is waited on right after it is issued, before a view of its output is made
 or the next plane's gather starts; DTensor's later ``wait_tensor`` on the gathered tensor finds
-nothing left to wait for. Leaving them in flight until that wait (raw outputs kept in a map keyed by
-the gathered tensor, views of them already in its planes) intermittently corrupted the heap under
-gloo: "malloc(): unaligned tcache chunk detected" or a SIGSEGV in a gloo worker thread's
-``malloc``, at a ``full_tensor()`` after an optimizer step. A core dump showed a 32-byte chunk
-freed twice, once by a gloo worker thread (still in its tcache list while a live tensor version
-counter occupied it); nothing here frees native memory, so the double free is inside torch/gloo,
-triggered by Python working on tensors that a worker thread still holds. The exact torch line is
-not identified; with the wait first, the repro that crashed every few hundred steps ran clean.
+nothing left to wait for. Leaving several in flight until that wait (raw outputs kept in a map
+keyed by the gathered tensor) crashed gloo runs every few hundred steps of a 1F1B stress loop:
+"malloc(): unaligned tcache chunk detected" or a SIGSEGV in a gloo worker thread. The cause is in
+torch: after each collective, ``ProcessGroupGloo::runLoop`` writes the collective's name into a
+string that the group's two worker threads share, without a lock. A functional all-gather's name
+(``ALLGATHER_COALESCED``) lives on the heap, so two workers finishing together can free it twice
+(tests/gloo_one_worker.py's note has the evidence). One gather in flight per group keeps the
+workers from finishing together, and the stress loop then ran clean. It does not rule the race
+out: DTensor's own gathers, and FSDP2's collectives in flight on the same group, can still meet.
+docs/README.md's Limitations say what CPU users can do about it; NCCL has no such thread.
 """
 
 from __future__ import annotations
