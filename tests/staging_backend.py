@@ -18,8 +18,8 @@ what changes is c10d's kernel of each collective op (``torch.ops.c10d.allgather_
 every tensor argument into a contiguous host tensor, runs the same collective on the group's gloo
 backend with those host tensors, waits, copies the outputs back into the caller's tensors and
 returns a completed Work (a send or receive returns at once, with a Work whose ``wait`` waits for
-gloo and copies back: a pipeline posts both before waiting). Nothing is mocked or computed here: every byte still crosses real gloo,
-reductions are gloo's. A correctness harness, not a speed one.
+gloo and copies back: a pipeline posts both before waiting). Nothing is mocked or computed here:
+every byte still crosses real gloo, reductions are gloo's. A correctness harness, not a speed one.
 
 Why op kernels, not a Python ``ProcessGroup`` subclass (torch's test_c10d_pypg.py style): such a
 group replaces the whole process group and takes c10d's ops out of the dispatcher, so tensor
@@ -213,10 +213,11 @@ def _staging_kernel(op, out: int | None, run, device: str):
         host = [_to_host(a) for a in args]
         running = run(gloo, host)  # gloo's errors (timeout, closed connection, float8 dtype) raise here
         STAGED[op._schema.name, device] += 1
+        target, source = (None, None) if out is None else (args[out], host[out])
         if isinstance(running, c10d.Work):  # point-to-point: copied back when the caller waits
-            return _CopyBackOnWait(running, None if out is None else args[out], None if out is None else host[out]).boxed()
+            return _CopyBackOnWait(running, target, source).boxed()
         if out is not None:
-            _copy_back(args[out], host[out])
+            _copy_back(target, source)
         if returns_tensors:
             return args[out], _completed(args[out])
         return _completed(None)
