@@ -89,8 +89,8 @@ import torch
 
 from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
-from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, pack,
-                           planes_from_outputs, served_usages, unpack)
+from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, join_side_outputs, pack,
+                           planes_from_outputs, served_usages, split_side_inputs, unpack)
 from .fsdp_completion import GatheredWeight
 from .ops.slicing import slice_quantized
 from .tensor import QuantizedTensor
@@ -292,10 +292,12 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # inputs are views of the same bytes and the metadata is unchanged.
         return entry.last
     inputs, shared_scales, local_planes = gather_inputs(self, plan)
+    inputs, side_inputs = split_side_inputs(inputs, plan)
     metadata = GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
                                shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
-                               fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group)
+                               fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group, phase=plan.phase,
+                               scale_sources=plan.scale_sources, side_inputs=side_inputs)
     if plan.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first input of a one-rank "gather"
         packed, layout = pack(inputs)
         return (packed,), dataclasses.replace(metadata, packed_layout=layout)
@@ -358,13 +360,15 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
         return _view_of_shard(self, usages, param_dtype, out, backward_only)
     if metadata.packed_layout is not None:
         outputs = unpack(outputs[0], metadata.packed_layout)
+    outputs = join_side_outputs(outputs, metadata)
     # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
     out_local = _compat.dtensor_local(out) if out is not None else None
     record = self.param_state.gather
     padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
     full_rows = padded_rows * world
     planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
-                                 padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live))
+                                 padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live),
+                                 metadata.phase, metadata.scale_sources)
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
         result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
                                metadata.orig_rows)
@@ -374,7 +378,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
         # One plane of two: a read of the other completes the weight (fsdp_completion.py).
         record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
-                                           param_state=self.param_state)
+                                           param_state=self.param_state, phase=metadata.phase)
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).

@@ -7,9 +7,20 @@ plane a completion gathers.
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
 (only where blocks lie along dim 0; a per-tensor scale is identical on every rank and travels in
-the metadata). Every scale input is padded to a per-recipe slot that fits either direction's local
-scale grid, so forward and backward gathers hand FSDP2 equal counts, dtypes and numels (FSDP2 sizes
-its all-gather outputs once: see the note in ``fsdp.py``).
+the metadata). Every scale input is padded to a slot that fits either direction's local scale grid
+on every rank, so forward and backward gathers hand FSDP2 equal counts, dtypes and numels (FSDP2
+sizes its all-gather outputs once: see the note in ``fsdp.py``).
+
+[Note: shards that split blocks]
+FSDP2 cuts dim 0 by torch's chunk rule, whatever the blocks: a shard may start inside a block (its
+block phase, see ``formats/base.py``) and then holds the scale of every block it touches, a block
+shared with its neighbour included (both hold the same scale: the amax is reduced over the ranks
+sharing the block, ``requantize.py``). The gather sends each rank's touched scale rows in its slot
+and keeps, for every block of the full grid, the row of the rank holding the block's first row
+(:func:`~dtensor_fp8.ops.slicing.scale_rows_of_pieces`, computed once per plan): the gathered
+scales are TE's grid of the whole weight, a copy of one scale row per block (the FP8 data stays a
+view of FSDP2's buffer). A shared block's scale crosses the wire once per rank holding it: at most
+one extra scale row per rank and plane. Whole-block shards keep the plain concatenation (a view).
 """
 
 from __future__ import annotations
@@ -19,17 +30,25 @@ import math
 
 import torch
 
-from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError
-from .ops.slicing import check_shardable
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
+import torch.distributed as dist
+
+from .ops.slicing import max_piece_grid_rows, piece_phase, scale_rows_of_pieces
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
 
 
-def _scale_slot_numel(q: QuantizedTensor, rows: int) -> int:
+def _scale_slot_numel(q: QuantizedTensor, rows: int, world: int, phase: tuple[int, int]) -> int:
     """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
-    usages, so forward and backward gathers hand FSDP equal numels."""
-    return max(math.prod(q.recipe.block_shape(u).grid((rows, q.shape[1]))) for u in (ROWWISE, COLUMNWISE))
+    usages and every rank's shard (the first at block ``phase``), so forward and backward gathers
+    hand FSDP equal numels on every rank."""
+    out = 0
+    for u in (ROWWISE, COLUMNWISE):
+        block = q.recipe.block_shape(u)
+        cols = block.grid((rows, q.shape[1]), phase)[1]
+        out = max(out, max_piece_grid_rows(block, world, rows, q.shape[1], phase) * cols)
+    return out
 
 
 def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
@@ -69,6 +88,9 @@ class GatherMetadata:
     packed_layout: list | None = None  # one-rank packing of all parts into one input (see pack)
     shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
     process_group: object = None  # the group FSDP2 gathers over (several ranks): a completion gathers there
+    phase: tuple = (0, 0)  # block phase of the gathered weight (of rank 0's shard; see the note at the top)
+    scale_sources: dict | None = None  # plane -> GatherPlan.scale_sources' index, where shards split blocks
+    side_inputs: tuple = ()  # uneven shards: the scale inputs, gathered beside FSDP2's all-gather (see the note)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -85,6 +107,13 @@ class GatherPlan:
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
     shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
     process_group: object  # the shard mesh's process group (several ranks), else None
+    phase: tuple = (0, 0)  # block phase of the gathered weight (of rank 0's shard)
+    #: uneven shards with block scales: FSDP2 takes only inputs of the padded shard's shape from a short
+    #: shard, so the scale inputs are all-gathered beside its all-gather (see the note on uneven shards)
+    side_scales: bool = False
+    #: per sent plane whose shards split blocks: the full grid's rows in the ranks' slots (see the
+    #: note at the top), an index tensor on the shard's device
+    scale_sources: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -96,44 +125,31 @@ class PlanEntry:
     last_planes: tuple | None = None  # the plane tensors (QuantizedTensor.plane_tensors) those inputs view
 
 
-def _check_gatherable(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...]):
-    """Raise a :class:`RecipeError` with the fix unless FSDP2 can gather ``usages`` of a weight of
-    ``outer_size`` sharded over ``world`` ranks."""
-    stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
-    check_shardable(outer_size, q.recipe, 0, world, usages)
-    if any(_gathers_scale(q, u) for u in stored) and outer_size[0] % world:
-        # FSDP2 requires every all-gather input of an unevenly sharded parameter to have the
-        # padded shard's exact shape; block scales cannot. Raised on every rank alike.
-        padded_rows = -(-outer_size[0] // world)
-        raise RecipeError(
-            f"{q.recipe.name}: FSDP2 shards dim 0 of weight shape {tuple(outer_size)} unevenly over "
-            f"{world} ranks, and FSDP2 cannot all-gather block scales of uneven shards. Pad dim 0 to "
-            f"{padded_rows * world} (a multiple of {world} x its block rows) or use another world size."
-        )
-
-
-# [Note: where an FSDP2 sharding is refused]
-# Shard boundaries inside a block are refused at ``fully_shard`` itself: FSDP2 chunks the weight
-# with ``torch.chunk``, and the op table's split cuts whole blocks only (ops/slicing.py). Block
-# scales of uneven dim-0 shards are a limit of FSDP2's all-gather alone (every input must have the
-# padded shard's shape), not of the tensor op, so they are refused by the weight's first
-# ``fsdp_pre_all_gather``, which FSDP2 tells the full shape (``outer_size``) and the shard mesh: on
-# every rank alike (each checks the same shape and world size), before FSDP2 issues the collective,
-# with a RecipeError naming shape, world size and fix. Every direction the weight will be gathered
-# in is checked there, so a forward cannot succeed and its backward then fail. ``fully_shard``
-# offers no frame-free moment to do it earlier: ``FSDPParam.__init__`` looks the hook up on the new
-# shard before FSDP2 attaches the param group to its state (so the registry of
-# ``_compat.fsdp_managed_params`` cannot say whose shard it is yet), and it sets the sharded
-# parameter on the module without ``Module.__setattr__``, so no parameter-registration hook fires.
+# [Note: every FSDP2 sharding of dim 0 is gathered]
+# FSDP2 shards dim 0, and any dim-0 boundary is served (see the note at the top), uneven dims
+# included: the last shards are padded to the padded shard's rows (``gather_inputs``) and every
+# scale input to the slot, so every all-gather input has the same numel on every rank. An uneven
+# dim has one more rule: FSDP2 accepts from a shard shorter than the padded shard only inputs of
+# the padded shard's exact shape (torch 2.11 to 2.15, ``FSDPParam.all_gather_inputs``), which block
+# scales cannot have. Their scale inputs are then all-gathered by the post-all-gather hook itself,
+# over the same group (``side_scales``): one more collective per such weight and gather, of the
+# scale bytes only. Dim-1 boundaries inside a block (tensor parallelism's rowwise shards) are
+# refused where the weight is distributed (``placement.py``, ``tp.py``).
 def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usages: tuple[str, ...],
                  process_group) -> GatherPlan:
     """The plan for one kind of gather over ``world`` ranks of ``process_group`` (the shard mesh's,
-    ``None`` for one rank), after checking that every gather of ``q`` is possible."""
-    every_usage = tuple(u for u in (ROWWISE, COLUMNWISE) if u in usages or u in q.usages)
-    _check_gatherable(q, outer_size, world, every_usage)
+    ``None`` for one rank)."""
     stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     padded_rows = -(-outer_size[0] // world)
+    rank = dist.get_rank(process_group) if world > 1 else 0
+    # The gathered weight's block phase: rank 0's shard's (every shard starts padded_rows after the last).
+    phase = (q.phase[0] - rank * padded_rows, q.phase[1])
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
+    scale_sources = {}
+    for u in sent_scales:
+        sources = scale_rows_of_pieces(q.recipe.block_shape(u), world, padded_rows, outer_size[1], phase)
+        if sources is not None:
+            scale_sources[u] = torch.tensor(sources, dtype=torch.long, device=q.device)
     # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
     view = q.param_state.gather.unsharded_view
     planes = q.planes
@@ -141,8 +157,10 @@ def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usa
     # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
     shard_view = world == 1 and (view is None or view.views_shard(q))
     return GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
-                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows), view=view,
-                       fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group)
+                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows, world, phase), view=view,
+                       fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group,
+                       phase=(phase[0] % q.recipe.phase_period(0), phase[1]), scale_sources=scale_sources,
+                       side_scales=bool(sent_scales) and outer_size[0] % world != 0)
 
 
 def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dict]:
@@ -169,28 +187,74 @@ def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dic
 
 
 def planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict, padded_rows: int, world: int,
-                         cols: int, scale_copy) -> dict[str, Plane]:
+                         cols: int, scale_copy, phase=(0, 0), scale_sources=None) -> dict[str, Plane]:
     """The full (padded) planes over all-gather ``outputs`` of the inputs :func:`gather_inputs`
     made for the planes ``stored``: views of the output buffers (block scales: the ranks' grids,
-    out of their slots); per-tensor scales from ``scale_copy(usage, shard_scale)``."""
+    out of their slots, one row per block where shards split blocks: ``scale_sources``, from the
+    plan); per-tensor scales from ``scale_copy(usage, shard_scale)``. ``phase``: the gathered
+    weight's block phase."""
     full_rows = padded_rows * world
     planes, i = {}, 0
     for usage, fp8_dtype in zip(stored, fp8_dtypes, strict=True):
         data = outputs[i].view(full_rows, cols).view(fp8_dtype)
         i += 1
         if usage not in shared_scales:
-            gr, gc = recipe.block_shape(usage).grid((padded_rows, cols))
+            block = recipe.block_shape(usage)
             scale_dtype = recipe.scale_inv_dtype
             raw = outputs[i].view(world, -1)
             i += 1
-            # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids along
-            # dim 0 is the full grid because every shard is a whole number of blocks.
-            scale = raw[:, : gr * gc].reshape(world * gr, gc)
+            sources = (scale_sources or {}).get(usage)
+            if sources is None:
+                # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids
+                # along dim 0 is the full grid because every shard is a whole number of blocks.
+                gr, gc = block.grid((padded_rows, cols), phase)
+                scale = raw[:, : gr * gc].reshape(world * gr, gc)
+            else:  # shards split blocks: one row per block, from the rank holding its first row
+                gc = block.grid((padded_rows, cols), phase)[1]
+                per_slot = max_piece_grid_rows(block, world, padded_rows, cols, phase)
+                rows = raw[:, : per_slot * gc].reshape(world * per_slot, gc)
+                scale = rows.index_select(0, sources.to(rows.device))
             scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
         else:
             scale = scale_copy(usage, shared_scales[usage])
         planes[usage] = Plane(data, scale)
     return planes
+
+
+def split_side_inputs(inputs: list, plan: GatherPlan) -> tuple[list, tuple]:
+    """``(FSDP2's inputs, side inputs)`` of a gather: the scale inputs go beside FSDP2's all-gather
+    where ``plan.side_scales`` (see the note on uneven shards)."""
+    if not plan.side_scales:
+        return inputs, ()
+    fsdp, side, i = [], [], 0
+    for usage in plan.stored:
+        fsdp.append(inputs[i])
+        i += 1
+        if usage in plan.sent_scales:
+            side.append(inputs[i])
+            i += 1
+    return fsdp, tuple(side)
+
+
+def join_side_outputs(outputs, metadata: GatherMetadata) -> list:
+    """FSDP2's outputs with the side inputs all-gathered over the gather's group, in
+    :func:`gather_inputs`' order (see the note on uneven shards)."""
+    if not metadata.side_inputs:
+        return list(outputs)
+    side = []
+    for inp in metadata.side_inputs:
+        flat = inp.reshape(-1)
+        out = flat.new_empty(flat.numel() * metadata.world)
+        dist.all_gather_into_tensor(out, flat, group=metadata.process_group)
+        side.append(out)
+    joined, i, j = [], 0, 0
+    for usage in metadata.stored:
+        joined.append(outputs[i])
+        i += 1
+        if usage not in metadata.shared_scales:
+            joined.append(side[j])
+            j += 1
+    return joined
 
 
 def pack(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, list]:

@@ -69,7 +69,8 @@ class GatheredWeight:
         m = self._metadata
         full_rows = m.padded_rows * m.world
         if t.shape[0] != full_rows:  # the unpadded weight: its rows of the full plane
-            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,))
+            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,),
+                                               phase=m.phase)
             plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
         planes = t.planes
         planes[stored] = plane
@@ -101,5 +102,6 @@ class GatheredWeight:
             outputs.append(gathered)
             record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
         planes = planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
-                                     m.padded_rows, m.world, m.cols, lambda u, live: live.clone())
+                                     m.padded_rows, m.world, m.cols, lambda u, live: live.clone(),
+                                     plan.phase, plan.scale_sources)
         return planes[stored]

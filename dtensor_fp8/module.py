@@ -29,7 +29,7 @@ from .formats.base import Recipe, RecipeError
 from ._compat import dtensor_local
 from .placement import local_tensor
 from .quantize import quantize
-from .requantize import sharded_dims
+from .requantize import AmaxReduction
 from .state_dict import register_state_dict_hooks
 from .tensor import QuantizedTensor
 
@@ -215,23 +215,17 @@ def finish_init_(model: nn.Module) -> list[str]:
         if not bool(torch.isfinite(q.hp_init).all()):
             raise RecipeError(f"finish_init_: {name} {tuple(q.shape)} holds NaN or Inf after your init: FP8 cannot store "
                               "them faithfully; fix the init")
-    # Per-block amaxes; those of blocks spanning a sharded dim (per-tensor scales) are reduced over
-    # the mesh dims sharding them (groups.py), one all-reduce per group for all weights.
-    jobs, spanning = [], []
+    # Per-block amaxes; those of blocks spanning a sharded dim (per-tensor scales) or split between
+    # shards are reduced over the mesh dims sharding them (requantize.AmaxReduction, groups.py), one
+    # all-reduce per group for all weights.
+    jobs = []
     for name, p, q in pending:
         groups.bind_layout_(p)
-        dims = sharded_dims(p)
-        for usage in q.planes:
-            amax = q.recipe.block_amax(q.hp_init.reshape(q.planes[usage].data.shape), usage)
-            jobs.append((q, usage, amax))
-            if any(q.recipe.spans_dim(usage, d) for d in dims):
-                spanning.append((len(jobs) - 1, groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))))
-    reduced = groups.max_by_groups_([jobs[i][2] for i, _ in spanning], [gs for _, gs in spanning])
-    for (i, _), amax in zip(spanning, reduced, strict=True):
-        jobs[i] = (jobs[i][0], jobs[i][1], amax)
-    for q, usage, amax in jobs:
+        jobs += [(p, q, usage) for usage in q.planes]
+    amaxes = AmaxReduction(jobs).amaxes([q.hp_init for _, q, _ in jobs])
+    for (_, q, usage), amax in zip(jobs, amaxes, strict=True):
         plane = q.planes[usage]
-        fresh = q.recipe.quantize_plane(q.hp_init.reshape(plane.data.shape), usage, amax=amax)
+        fresh = q.recipe.quantize_plane_at(q.hp_init.reshape(plane.data.shape), usage, q.phase, amax=amax)
         plane.data.copy_(fresh.data)
         plane.scale_inv.copy_(fresh.scale_inv)
     for _, _, q in pending:

@@ -4,16 +4,25 @@
 After ``step()`` every FP8 parameter's local shard is requantized in place from its master
 shard, into every plane it stores. A scaling block that lies inside one shard needs nothing from
 other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
-needs the max over all shards: those amaxes of *all* weights are packed into one tensor and
-reduced with a single all-reduce, not one per weight. Delayed scaling records that global amax in
-its per-weight amax history (the weight's owner record, ``QuantizedTensor.param_state``) and
-takes the next scale from TE's update rule.
+needs the max over all shards, and so does a block that a shard boundary splits (FSDP2 at a
+degree whose shards are not whole blocks: see "block phase" in ``formats/base.py``): each rank
+places the partial amaxes of the blocks it touches in the weight's whole block grid along the
+split dim (zeros elsewhere) and the grids are MAX-reduced over the mesh dims sharding that dim,
+so every rank holding part of a block gets the amax over exactly its elements. All those amaxes,
+of *all* weights, are packed into one tensor per group and reduced with a single all-reduce, not
+one per weight. Delayed scaling records the global amax in its per-weight amax history (the
+weight's owner record, ``QuantizedTensor.param_state``) and takes the next scale from TE's update
+rule. The grid of a split weight costs 4 bytes per block of the dim per requantization (128x128:
+1/4096 of a byte per element; MXFP8's 32-row column blocks: 1/8): only weights whose shards split
+blocks send it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -45,6 +54,97 @@ def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
+class SplitBlocks(NamedTuple):
+    """A plane whose blocks along dim 0 are split between shards: where this shard's blocks lie in
+    the weight's block grid, and the groups its block amaxes reduce over."""
+
+    first: int  # index, in the whole grid, of the first block this shard touches
+    total: int  # blocks of the whole dim 0
+    groups: tuple
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_start(layout: groups.Layout, block: int) -> int | None:
+    """This rank's first row along dim 0 if ``layout``'s shards split ``block``-row blocks, else
+    ``None`` (a pure function of the layout, kept: each requantization asks it of every weight)."""
+    if not groups.splits_blocks(layout, 0, block):
+        return None
+    return groups.dim_pieces(layout, 0)[0][0]
+
+
+def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
+    """:class:`SplitBlocks` of the plane ``usage`` of the FP8 parameter ``p`` (a DTensor, or a
+    local shard whose owner record is bound), or ``None`` when its shards hold whole blocks.
+
+    Example:
+        >>> split_blocks(w, "rowwise")   # 128x128 blocks, a 256-row weight over 4 ranks, rank 1
+        SplitBlocks(first=0, total=2, groups=(<ProcessGroup dp>,))
+    """
+    layout = groups.layout_of(p)
+    q = local_tensor(p)
+    block = q.recipe.block_shape(usage).extent(0)
+    if layout is None or block is None:
+        return None
+    start = _split_start(layout, block)
+    if start is None:
+        return None
+    return SplitBlocks(start // block, -(-layout.shape[0] // block), groups.weight_groups(p, lambda d: d == 0))
+
+
+class AmaxReduction:
+    """The block amaxes of a set of (weight, plane) jobs that need other ranks' values: blocks
+    spanning a sharded dim (per-tensor scales) and blocks split between shards (see the note at the
+    top); one MAX all-reduce per group for all of them. Decided once (Python only), computed by
+    :meth:`amaxes` from the high-precision values.
+
+    Args:
+        jobs: ``(param, q, usage)``: the parameter (a DTensor, or a local shard whose owner record
+            is bound), its local QuantizedTensor and the plane.
+
+    Example:
+        >>> amaxes = AmaxReduction([(p, local_tensor(p), "rowwise")]).amaxes([master])
+    """
+
+    def __init__(self, jobs):
+        self.spanning: dict = {}  # (recipe, usage) -> job indices whose blocks span a sharded dim
+        self.split: dict[int, SplitBlocks] = {}  # job index -> where its split blocks lie
+        self.reduce_over: dict[int, tuple] = {}
+        self.jobs = [(q, usage) for _, q, usage in jobs]
+        for i, (p, q, usage) in enumerate(jobs):
+            sharded = sharded_dims(p)
+            if any(q.recipe.spans_dim(usage, d) for d in sharded):
+                self.spanning.setdefault((q.recipe, usage), []).append(i)
+                self.reduce_over[i] = groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))
+            elif 0 in sharded and (split := split_blocks(p, usage)) is not None:
+                self.split[i] = split
+                self.reduce_over[i] = split.groups
+        #: whether :meth:`amaxes` communicates (blocks across shards on a mesh dim of more than one rank)
+        self.reduces = groups.reduces(self.reduce_over.values())
+
+    def amaxes(self, hps) -> list:
+        """Per job: the amax grid to quantize with (reduced over its groups), or ``None`` where
+        the recipe computes it from the shard alone."""
+        out = [None] * len(self.jobs)
+        for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
+            for i, amax in zip(idx, recipe.block_amaxes(usage, [hps[i] for i in idx]), strict=True):
+                out[i] = amax
+        for i, split in self.split.items():
+            q, usage = self.jobs[i]
+            local = q.recipe.block_amax_at(hps[i].reshape(q.planes[usage].data.shape), usage, q.phase)
+            whole = local.new_zeros((split.total, local.shape[1]))
+            whole[split.first : split.first + local.shape[0]] = local
+            out[i] = whole
+        if self.reduces:
+            order = list(self.reduce_over)
+            reduced = groups.max_by_groups_([out[i] for i in order], [self.reduce_over[i] for i in order])
+            for i, amax in zip(order, reduced, strict=True):
+                out[i] = amax
+        for i, split in self.split.items():  # back to the blocks this shard touches
+            rows = self.jobs[i][0].planes[self.jobs[i][1]].scale_inv.shape[0]
+            out[i] = out[i][split.first : split.first + rows]
+        return out
+
+
 @torch.no_grad()
 def requantize_from_hp_(items) -> None:
     """Requantize FP8 parameters in place from high-precision local shards; a stateful recipe
@@ -69,45 +169,35 @@ class _RequantizePlan:
     bookkeeping after it (:meth:`finish`)."""
 
     def __init__(self, items):
-        jobs, spanning, reduce_over = [], {}, {}
+        jobs = []
         for name, p, hp in items:
             groups.bind_layout_(p)
             q = local_tensor(p)
-            sharded = sharded_dims(p)
             for usage in q.planes:
-                # Only blocks that span a sharded dim need their amax now (to reduce it over the
-                # mesh dims sharding it); the recipe computes the others itself, fused into its
-                # quantization where it can.
-                if any(q.recipe.spans_dim(usage, d) for d in sharded):
-                    spanning.setdefault((q.recipe, usage), []).append(len(jobs))
-                    reduce_over[len(jobs)] = groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))
-                jobs.append((name, q, hp, usage))
-        self.jobs, self.spanning, self.reduce_over = jobs, spanning, reduce_over
-        #: whether run() all-reduces amaxes (blocks spanning shards on a mesh dim of more than one rank)
-        self.reduces = groups.reduces(reduce_over.values())
+                jobs.append((name, p, q, hp, usage))
+        self.jobs = [(name, q, hp, usage) for name, _, q, hp, usage in jobs]
+        # Only blocks that need other ranks' values need their amax now (see the note at the top);
+        # the recipe computes the others itself, fused into its quantization where it can.
+        self.reduction = AmaxReduction([(p, q, usage) for _, p, q, _, usage in jobs])
+        #: whether run() all-reduces amaxes (blocks across shards on a mesh dim of more than one rank)
+        self.reduces = self.reduction.reduces
         # One batch per (recipe, plane) for all its tensors: per-tensor scales are computed together.
+        # A shard that splits blocks is quantized on its own (its block phase: formats/base.py).
         self.batches: dict = {}
-        for i, (name, q, hp, usage) in enumerate(jobs):
+        for i, (name, q, hp, usage) in enumerate(self.jobs):
+            if i in self.reduction.split:
+                continue
             plane = q.planes[usage]
             # Kept in the owner record from now on and updated in place by run().
             state = q.param_state.weight_state(q.recipe, usage, plane)
             self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
-        self.tensors = list(dict.fromkeys(q for _, q, _, _ in jobs))
+        self.tensors = list(dict.fromkeys(q for _, q, _, _ in self.jobs))
 
     def run(self) -> None:
-        """The device work: amaxes (all-reduced where blocks span shards), new FP8 bytes and scales
-        into the existing planes, new scaling states into the existing states."""
-        jobs, amaxes = self.jobs, [None] * len(self.jobs)
-        if self.spanning:
-            for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
-                for i, amax in zip(idx, recipe.block_amaxes(usage, [jobs[i][2] for i in idx]), strict=True):
-                    amaxes[i] = amax
-            if self.reduces:
-                # One MAX all-reduce per group over the amaxes of every weight sharded over it.
-                order = [i for idx in self.spanning.values() for i in idx]
-                reduced = groups.max_by_groups_([amaxes[i] for i in order], [self.reduce_over[i] for i in order])
-                for i, amax in zip(order, reduced, strict=True):
-                    amaxes[i] = amax
+        """The device work: amaxes (all-reduced where blocks lie across shards), new FP8 bytes and
+        scales into the existing planes, new scaling states into the existing states."""
+        jobs = self.jobs
+        amaxes = self.reduction.amaxes([hp for _, _, hp, _ in jobs])
         kept, fresh = [], []
         for (recipe, usage), batch in self.batches.items():
             idx, hps, planes, states = zip(*batch)
@@ -120,6 +210,12 @@ class _RequantizePlan:
                     fresh += [new[k] for k in old]
         if kept:  # the states keep their storage too (one batched copy)
             torch._foreach_copy_(kept, fresh)
+        for i in self.reduction.split:
+            _, q, hp, usage = jobs[i]
+            plane = q.planes[usage]
+            made = q.recipe.quantize_plane_at(hp.reshape(plane.data.shape), usage, q.phase, amax=amaxes[i])
+            plane.data.copy_(made.data)
+            plane.scale_inv.copy_(made.scale_inv)
 
     def finish(self) -> None:
         for q in self.tensors:

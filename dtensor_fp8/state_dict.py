@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ._compat import dtensor_local
 from .formats.base import Plane, RecipeError
@@ -52,7 +52,8 @@ from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
 from .placement import like, local_tensor, shard_dim
 from .param_writes import write_hp_values_
-from .requantize import local_slice
+from . import groups
+from .requantize import local_slice, split_blocks
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
@@ -98,7 +99,11 @@ def plane_entries(param: torch.Tensor) -> dict:
         if isinstance(param, DTensor):
             grid = q.recipe.block_shape(usage).grid(tuple(param.shape))
             data = like(param, data)
-            scale = DTensor.from_local(scale, param.device_mesh, _scale_placements(param, q.recipe, usage),
+            placements = _scale_placements(param, q.recipe, usage)
+            split = split_blocks(param, usage)
+            if split is not None:  # shards split blocks: saved as the grid's own shards (see the note)
+                scale = _grid_shard(_whole_grid(scale, split), param.device_mesh, placements)
+            scale = DTensor.from_local(scale, param.device_mesh, placements,
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
         entry[f"{usage}_data"] = data
         entry[f"{usage}_scale_inv"] = scale
@@ -166,6 +171,9 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         if missing:
             raise RecipeError(f"{name}: checkpoint entry lacks {missing} (has {sorted(entry)}); the model needs the {usage} plane")
         data, scale = local_tensor(entry[f"{usage}_data"]), local_tensor(entry[f"{usage}_scale_inv"])
+        split = None if full or not isinstance(param, DTensor) else split_blocks(param, usage)
+        if split is not None and isinstance(entry[f"{usage}_scale_inv"], DTensor):
+            scale = _touched_rows(entry[f"{usage}_scale_inv"], split, plane.scale_inv.shape[0])
         want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
@@ -188,6 +196,39 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
     return like(param, loaded)
+
+
+# [Note: saved scales of shards that split blocks]
+# Where shards split blocks (see "block phase" in formats/base.py) each rank holds the scale rows of
+# the blocks it touches, a shared block on both ranks; a checkpoint holds the block grid once, as a
+# DTensor sharded like the data by torch's chunk rule on the grid's own rows (the layout of aligned
+# shards), so it loads at any other layout, aligned or not, and old checkpoints load here. Both
+# directions go through the weight's whole grid along dim 0, MAX-reduced over the mesh dims sharding
+# it (every rank's rows in place, zeros elsewhere): 4 bytes per block of one weight at a time.
+def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
+    """The whole dim-0 block grid of a weight from each rank's touched rows ``scale``."""
+    rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
+    whole = rows.new_zeros((split.total, *rows.shape[1:]))
+    whole[split.first : split.first + rows.shape[0]] = rows
+    whole = groups.max_over_(whole, split.groups)
+    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
+
+
+def _grid_shard(whole: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's chunk of the grid ``whole`` by the scale's placements (no communication)."""
+    return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local().contiguous()
+
+
+def _touched_rows(saved, split, rows: int) -> torch.Tensor:
+    """The scale rows of the blocks this rank's shard touches, from a loaded grid DTensor ``saved``."""
+    local = saved.to_local()
+    layout = groups.Layout(saved.device_mesh, tuple(saved.placements), tuple(saved.shape))
+    start = groups.dim_pieces(layout, 0)[0][0]
+    src = local.float() if local.dtype.itemsize == 1 else local
+    whole = src.new_zeros(tuple(saved.shape))
+    whole[start : start + local.shape[0]] = src
+    whole = groups.max_over_(whole, split.groups)[split.first : split.first + rows]
+    return whole.to(local.dtype) if local.dtype.itemsize == 1 else whole
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:

@@ -65,6 +65,9 @@ class QuantizedTensor(torch.Tensor):
         hp_init: the values plane: high-precision values of this tensor's elements (its logical
             shape) that the optimizer's masters start from, or whose bytes are still to be made
             (see :attr:`hp_init`).
+        phase: where this tensor's first element sits inside its scaling blocks, per dim (a shard
+            that starts inside a block: see "block phase" in ``formats/base.py``); ``(0, 0)``
+            for a whole weight.
 
     Example:
         >>> plane = MXFP8().quantize_plane(torch.randn(64, 64), "rowwise")
@@ -96,10 +99,14 @@ class QuantizedTensor(torch.Tensor):
     #: sliced, padded and moved with the FP8 planes, so FSDP's shard holds its own rows only. Eager-side,
     #: not flattened: compiled code runs on made bytes only. ``None`` when not kept, or once taken.
     hp_init: torch.Tensor | None
+    #: where the first element sits inside its scaling blocks, per dim (``formats/base.py``'s note on
+    #: block phase), reduced modulo the recipe's block period: nonzero only for a piece that starts
+    #: inside a block. Constant metadata (flattened with the recipe).
+    _phase: tuple[int, int]
 
     @staticmethod
     def __new__(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                usages=None, requires_grad=False, param_state=None, hp_init=None):
+                usages=None, requires_grad=False, param_state=None, hp_init=None, phase=(0, 0)):
         some = rowwise_data if rowwise_data is not None else columnwise_data
         if some is None:
             raise RecipeError(f"{recipe.name}: a QuantizedTensor needs at least one plane")
@@ -108,8 +115,9 @@ class QuantizedTensor(torch.Tensor):
         )
 
     def __init__(self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, recipe, shape, dtype,
-                 usages=None, requires_grad=False, param_state=None, hp_init=None):
+                 usages=None, requires_grad=False, param_state=None, hp_init=None, phase=(0, 0)):
         self._recipe = recipe
+        self._phase = None if phase is None else tuple(p % recipe.phase_period(d) for d, p in enumerate(phase))
         self._param_state = FP8ParamState() if param_state is None else param_state
         if hp_init is not None and tuple(hp_init.shape) != tuple(shape):
             raise RecipeError(f"{recipe.name}: hp_init of shape {tuple(hp_init.shape)} for a tensor of shape {tuple(shape)}")
@@ -124,7 +132,7 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def from_planes(cls, planes: dict[str, Plane], recipe: Recipe, shape, dtype: torch.dtype,
                     usages: tuple[str, ...] | None = None, requires_grad: bool = False, *, param_state: FP8ParamState | None = None,
-                    hp_init: torch.Tensor | None = None) -> "QuantizedTensor":
+                    hp_init: torch.Tensor | None = None, phase: tuple[int, int] = (0, 0)) -> "QuantizedTensor":
         """A QuantizedTensor holding ``planes`` (stored planes by usage, logical orientation).
 
         Args:
@@ -141,7 +149,7 @@ class QuantizedTensor(torch.Tensor):
         return cls(
             None if row is None else row.data, None if row is None else row.scale_inv,
             None if col is None else col.data, None if col is None else col.scale_inv,
-            recipe, shape, dtype, usages, requires_grad, param_state, hp_init,
+            recipe, shape, dtype, usages, requires_grad, param_state, hp_init, phase,
         )
 
     def _set_planes(self, planes: dict[str, Plane], usages) -> None:
@@ -166,6 +174,58 @@ class QuantizedTensor(torch.Tensor):
         return self._recipe
 
     @property
+    def phase(self) -> tuple[int, int]:
+        """Where this tensor's first element sits inside its scaling blocks, per dim: ``(0, 0)``
+        unless it is a piece starting inside a block (see "block phase" in ``formats/base.py``)."""
+        if self._phase is None and not self._place():
+            raise RecipeError(
+                f"{self._recipe.name}: this FP8 shard of shape {tuple(self.shape)} was cut from a weight by "
+                "new_zeros + copy_ (FSDP2's sharding) and its place in the weight is not known yet: its parameter "
+                "is not a DTensor its owner record can find. Make FP8 parameters with dtensor_fp8.quantize_module_ "
+                "before fully_shard, so the shard knows where its blocks start.")
+        return self._phase
+
+    # [Note: a shard placed after it is cut]
+    # FSDP2 makes a rank's shard with ``full.new_zeros(padded_shard_size)`` and copies the chunk of
+    # the full weight in: ``new_zeros`` cannot know which chunk will come, so where the shard starts
+    # inside its blocks (its phase) is unknown when its storage is made. Such a tensor is made
+    # *unplaced* (``_phase is None``), with room for the scale rows of any phase, and is placed the
+    # first time its planes are read, from its owner's layout (``groups.dim_pieces``: where this
+    # rank's shard of the DTensor parameter starts), which FSDP2 has made by then.
+    def _place(self) -> bool:
+        """Place an unplaced tensor (see the note above) from its owner's layout; ``False`` when no
+        layout is known yet (FSDP2 is still building the parameter)."""
+        from . import groups  # the layout lives above the tensor
+
+        layout = groups.layout_of(self)
+        if layout is None:
+            return False
+        self.place_(tuple(groups.dim_pieces(layout, d)[0][0] for d in (0, 1)))
+        return True
+
+    def place_(self, phase: tuple[int, int]) -> "QuantizedTensor":
+        """Give an unplaced tensor (see the note above) its block phase, keeping the scale rows of
+        the blocks it then touches; a no-op for a placed one.
+
+        Args:
+            phase: where its first element lies in the weight, per dim (or that modulo the blocks).
+
+        Example:
+            >>> shard.place_((64, 0))   # rows 64.. of a weight with 128-row blocks
+        """
+        if self._phase is not None:
+            return self
+        self._phase = tuple(p % self._recipe.phase_period(d) for d, p in enumerate(phase))
+        planes = {}
+        for usage, (data_attr, scale_attr) in PLANE_ATTRS.items():
+            data = getattr(self, data_attr)
+            if data is not None:
+                rows = self._recipe.block_shape(usage).grid(tuple(data.shape), self._phase)[0]
+                planes[usage] = Plane(data, getattr(self, scale_attr)[:rows])
+        self._set_planes(planes, self._usages)
+        return self
+
+    @property
     def usages(self) -> tuple[str, ...]:
         """Usages this tensor can serve (``"rowwise"`` for forward, ``"columnwise"`` for backward)."""
         return self._usages
@@ -173,6 +233,8 @@ class QuantizedTensor(torch.Tensor):
     @property
     def planes(self) -> dict[str, Plane]:
         """The stored planes by usage (a new dict of :class:`Plane` views of the inner tensors)."""
+        if self._phase is None:
+            self._place()
         out = {}
         for usage, (data_attr, scale_attr) in PLANE_ATTRS.items():
             data = getattr(self, data_attr)
@@ -256,6 +318,8 @@ class QuantizedTensor(torch.Tensor):
             >>> q.plane("rowwise").scale_inv.shape   # the rowwise block grid
         """
         self.check_bytes_made()
+        if self._phase is None:
+            self.phase  # noqa: B018  (places it, or raises with the fix)
         stored = self._recipe.stored_usage(usage)
         data_attr, scale_attr = PLANE_ATTRS[stored]
         data = getattr(self, data_attr)
@@ -302,7 +366,8 @@ class QuantizedTensor(torch.Tensor):
             >>> w = quantize(torch.randn(64, 64), MXFP8()).dequantize(torch.float32)
         """
         usage = usage or self._usages[0]
-        return self._recipe.dequantize_plane(self.plane(usage), usage, dtype or self.dtype).reshape(self.shape)
+        plane = self.plane(usage)
+        return self._recipe.dequantize_plane_at(plane, usage, dtype or self.dtype, self._phase).reshape(self.shape)
 
     def repoint_(self, planes: dict[str, Plane], usages: tuple[str, ...] | None = None) -> "QuantizedTensor":
         """Point this tensor at other planes of the same recipe and logical shape, in place (the one
@@ -372,7 +437,7 @@ class QuantizedTensor(torch.Tensor):
         Example:
             >>> grad_x = grad_out @ q.columnwise_matrix(grad_out.dtype)
         """
-        if self._recipe.columnwise_is_transpose:
+        if self._recipe.columnwise_is_transpose and not any(self.phase):
             plane = self.plane(COLUMNWISE)  # the shared plane; raises if COLUMNWISE is not served
             cache = self.transpose_cache
             data = plane.data if cache is None else cache.t()
@@ -381,7 +446,7 @@ class QuantizedTensor(torch.Tensor):
 
     # ---- construction helpers -------------------------------------------------------------------
     def rebuild(self, planes: dict[str, Plane] | None = None, *, shape=None, usages=None,
-                dtype=None, hp_init=_SAME_VALUES) -> "QuantizedTensor":
+                dtype=None, hp_init=_SAME_VALUES, phase=_SAME_VALUES) -> "QuantizedTensor":
         """A new QuantizedTensor of this recipe and parameter (the same :attr:`param_state`): these
         planes / shape / usages / dtype / values plane (:attr:`hp_init`) unless given. An op that
         changes the shape gives the values plane its new shape, as it does the FP8 planes: keeping
@@ -391,6 +456,7 @@ class QuantizedTensor(torch.Tensor):
             planes: the FP8 planes by usage (default: this tensor's).
             shape, usages, dtype: of the new tensor (default: this tensor's).
             hp_init: its values plane (default: this tensor's; ``None``: none).
+            phase: its block phase (default: this tensor's; ``None``: unplaced, see :meth:`place_`).
 
         Example:
             >>> q.rebuild(q.planes, dtype=torch.float32)   # same bytes, another nominal dtype
@@ -399,6 +465,7 @@ class QuantizedTensor(torch.Tensor):
             self.planes if planes is None else planes, self._recipe, self.shape if shape is None else shape,
             dtype or self.dtype, self._usages if usages is None else usages,
             param_state=self._param_state, hp_init=self.hp_init if hp_init is _SAME_VALUES else hp_init,
+            phase=self._phase if phase is _SAME_VALUES else phase,
         )
 
     def with_usages(self, *usages: str) -> "QuantizedTensor":
@@ -416,14 +483,14 @@ class QuantizedTensor(torch.Tensor):
     # ---- torch.compile: the traceable-subclass protocol -----------------------------------------------
     def __tensor_flatten__(self):
         names = [attr for attrs in PLANE_ATTRS.values() for attr in attrs if getattr(self, attr) is not None]
-        return names, (self._recipe, self._usages, self.dtype)
+        return names, (self._recipe, self._usages, self.dtype, self._phase)
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        recipe, usages, dtype = ctx
+        recipe, usages, dtype, phase = ctx
         row, col = PLANE_ATTRS[ROWWISE], PLANE_ATTRS[COLUMNWISE]
         return QuantizedTensor(inner.get(row[0]), inner.get(row[1]), inner.get(col[0]), inner.get(col[1]),
-                               recipe, outer_size, dtype, usages)
+                               recipe, outer_size, dtype, usages, phase=phase)
 
     def _stable_hash_for_caching(self) -> str:
         """A key for AOTAutograd's compiled-graph cache that is the same in every process (torch 2.13's
@@ -431,13 +498,14 @@ class QuantizedTensor(torch.Tensor):
         inner = [(name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type, t.storage_offset())
                  for name, t in ((n, getattr(self, n)) for n in self.__tensor_flatten__()[0])]
         key = repr((type(self).__qualname__, repr(self._recipe), self._usages, str(self.dtype), tuple(self.shape),
-                    self.requires_grad, inner))
+                    self.requires_grad, inner, self._phase))
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __repr__(self) -> str:
         return (
             f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self._recipe!r}, "
-            f"usages={self._usages}, planes={tuple(self.planes)})"
+            f"usages={self._usages}, planes={tuple(self.planes)}"
+            + (")" if self._phase == (0, 0) else f", phase={self._phase})")
         )
 
     # ---- dispatch (the op tables are filled by dtensor_fp8/ops/, see op_table.py) ---------------------

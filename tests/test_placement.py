@@ -31,8 +31,10 @@ def expected_gather_bytes(shape, recipe, usage, world_size, dim=0):
     data = local[0] * local[1]  # 1 byte per FP8 element
     if block.extent(dim) is None:  # per-tensor: the scale is the same everywhere, never sent
         return data
-    gr, gc = block.grid(local)
-    return data + gr * gc * torch.empty((), dtype=recipe.scale_inv_dtype).element_size()
+    # Every rank sends the scale rows of the blocks it touches, padded to the most any rank touches.
+    rows = max(block.grid(local, (r * chunk if dim == 0 else 0, 0))[0] for r in range(world_size))
+    gc = block.grid(local)[1]
+    return data + rows * gc * torch.empty((), dtype=recipe.scale_inv_dtype).element_size()
 
 
 def _gather_each_usage(recipe_name, shape, dim):
@@ -120,41 +122,43 @@ def test_uneven_block_aligned_shards_are_exact(pools, world_size, recipe_name):
     pools[world_size].run(_gather_each_usage, recipe_name, shape, 0)
 
 
-MISALIGNED = {"mxfp8": (96, 64), "blockwise1d": (250, 256), "blockwise2d": (384, 256)}
+# Shards whose boundaries fall inside blocks along dim 0 (each rank holds the scale of every block it
+# touches; a shared block has one scale, from the amax over all its rows): uneven and even, a few rows
+# of a block each and several blocks and a half each.
+SPLITTING = {"mxfp8": [(96, 64), (160, 64)], "blockwise1d": [(250, 256), (256, 256)],
+             "blockwise2d": [(384, 256), (256, 256), (900, 128)], "current": [(250, 64)], "delayed": [(131, 48)]}
 
 
-def _misaligned(recipe_name, shape):
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("recipe_name", list(SPLITTING))
+def test_shards_that_split_blocks_gather_exactly(pools, world_size, recipe_name):
+    for shape in SPLITTING[recipe_name]:
+        pools[world_size].run(_gather_each_usage, recipe_name, shape, 0)
+
+
+def _split_dim1_refused(recipe_name, shape):
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(DEVICE, (world,))
     with pytest.raises(d.RecipeError) as err:
-        d.distribute(_input(shape), mesh, [Shard(0)], RECIPES[recipe_name])
+        d.distribute(_input(shape), mesh, [Shard(1)], RECIPES[recipe_name])
     msg = str(err.value)
-    for part in (str(tuple(shape)), f"over {world} ranks", "Fix:"):
+    for part in (str(tuple(shape)), f"over {world} ranks", "dim 0 only", "Fix:"):
         assert part in msg, msg
     return msg
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("recipe_name", list(MISALIGNED))
-def test_misaligned_shards_raise_at_construction(pools, world_size, recipe_name):
-    shape = MISALIGNED[recipe_name]
-    if _aligned(recipe_name, shape, world_size):
-        pytest.skip("shape happens to be aligned at this world size")
-    msgs = pools[world_size].run(_misaligned, recipe_name, shape)
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "blockwise1d", "blockwise2d"])
+def test_dim1_shards_inside_blocks_raise_at_construction(pools, recipe_name):
+    world = WORLD_SIZES[0]
+    shape = (256, 96) if recipe_name == "mxfp8" else (256, 384)  # dim-1 chunks of 48 / 24 or 192 / 96 columns
+    msgs = pools[world].run(_split_dim1_refused, recipe_name, shape)
     assert RECIPES[recipe_name].name in msgs[0]
 
 
-def _aligned(recipe_name, shape, world):
-    try:
-        d.check_shardable(shape, RECIPES[recipe_name], 0, world)
-        return True
-    except d.RecipeError:
-        return False
-
-
-def test_mxfp8_misaligned_error_names_block_and_fix():
+def test_dim1_split_error_names_block_and_fix():
     with pytest.raises(d.RecipeError, match=r"boundary at index 48.*block of 32.*\[1, 3\]"):
-        d.check_shardable((96, 64), d.MXFP8(), 0, 2)
+        d.check_shardable((64, 96), d.MXFP8(), 1, 2)
+    d.check_shardable((96, 64), d.MXFP8(), 0, 2)  # dim 0: any boundary
 
 
 # ---- DTensor's redistribute plan cache ----------------------------------------------------------------

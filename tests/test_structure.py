@@ -408,12 +408,13 @@ def test_formats_imports_at_run_time_have_no_cycle():
 
 # ---- QuantizedTensor is storage (issue 38) ------------------------------------------------------------
 #: What a ``QuantizedTensor`` instance may hold: its planes (the FP8 planes' inner tensors and the
-#: high-precision values plane, ``hp_init``), recipe, usages and the reference to its owner record.
-#: Its nominal dtype and shape are the wrapper's own. Lifecycle (whether the bytes are pending, what a
+#: high-precision values plane, ``hp_init``), recipe, usages, block phase (geometry: where a piece
+#: starts inside its blocks) and the reference to its owner record. Its nominal dtype and shape are
+#: the wrapper's own. Lifecycle (whether the bytes are pending, what a
 #: cast reads through to, the transpose cache, scaling and gather state) is the owner's
 #: (``param_state.py``), so no op making a new tensor can drop it.
 QUANTIZED_TENSOR_FIELDS = {"rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "hp_init",
-                           "_recipe", "_usages", "_param_state"}
+                           "_recipe", "_usages", "_phase", "_param_state"}
 #: What torch itself sets on a tensor instance (``nn.Parameter`` of a tensor subclass marks it).
 TORCH_INSTANCE_FIELDS = {"_is_param"}
 

@@ -341,6 +341,64 @@ class Recipe(abc.ABC):
     def dequantize_plane(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.decode(plane.data, plane.scale_inv, usage, dtype)
 
+    # ---- block phase: pieces that start inside a block ------------------------------------------
+    # [Note: block phase]
+    # A shard whose boundary falls inside a scaling block (FSDP2 at a degree whose chunks are not
+    # whole blocks, an uneven dim, TP x FSDP2 splitting a TP shard's blocks) starts ``phase``
+    # elements into its first block along each dim. It stores its own FP8 rows and the scale of
+    # every block it touches: its local scale grid is ``block_shape(u).grid(shape, phase)``, and a
+    # block shared with a neighbour has the same scale on both ranks (the amax over exactly the
+    # block's elements, reduced over the ranks that share it: ``requantize.py``). The ``*_at``
+    # methods below serve such a piece with the phase-0 codec by padding it in front with zeros
+    # (which change no amax and are cut off again): the codecs themselves, their fast paths and
+    # their golden vectors stay those of whole blocks.
+    def phase_period(self, dim: int) -> int:
+        """The period of block boundaries along ``dim`` over every plane (1: no boundary, a
+        per-tensor scale): a piece's phase along ``dim`` is its start modulo this."""
+        return self.shard_alignment(dim, USAGES)
+
+    def usage_phase(self, usage: str, phase: tuple[int, int]) -> tuple[int, int]:
+        """``phase`` as the plane ``usage``'s blocks see it (modulo their extents)."""
+        block = self.block_shape(usage)
+        return tuple(0 if block.extent(d) is None else phase[d] % block.extent(d) for d in (0, 1))
+
+    def block_amax_at(self, hp: torch.Tensor, usage: str, phase: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """:meth:`block_amax` of a piece at ``phase``: the partial amax of every block it touches
+        (its local grid; a block shared with a neighbour needs the neighbour's part too)."""
+        front = self.usage_phase(usage, phase)
+        if not any(front):
+            return self.block_amax(hp, usage)
+        return self.block_amax(_pad_front(hp, front), usage)
+
+    def quantize_plane_at(self, hp: torch.Tensor, usage: str, phase: tuple[int, int] = (0, 0), *,
+                          amax: torch.Tensor | None = None) -> Plane:
+        """:meth:`quantize_plane` of a piece at ``phase`` (see the note on block phase).
+
+        Args:
+            hp: the piece's 2-D high-precision values.
+            usage: the plane.
+            phase: where the piece starts inside its first block, per dim.
+            amax: the amax of every block it touches (its local grid), reduced over the ranks
+                sharing a block; the piece's own partial amaxes when omitted.
+
+        Example:
+            >>> Blockwise(block_dims=2).quantize_plane_at(rows_64_to_191, "rowwise", (64, 0), amax=amax)
+        """
+        front = self.usage_phase(usage, phase)
+        if not any(front):
+            return self.quantize_plane(hp, usage, amax=amax)
+        plane = self.quantize_plane(_pad_front(hp, front), usage, amax=amax)
+        return Plane(plane.data[front[0]:, front[1]:].contiguous(), plane.scale_inv)
+
+    def dequantize_plane_at(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32,
+                            phase: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """:meth:`dequantize_plane` of a piece at ``phase``."""
+        front = self.usage_phase(usage, phase)
+        if not any(front):
+            return self.dequantize_plane(plane, usage, dtype)
+        data = _pad_front(plane.data.view(torch.uint8), front).view(plane.data.dtype)
+        return self.decode(data, plane.scale_inv, usage, dtype)[front[0]:, front[1]:].contiguous()
+
     # ---- transpose cache (TE's physical layout for transpose-derived recipes) -------------------
     def transpose_cache(self, plane: Plane) -> torch.Tensor:
         """TE's transposed FP8 copy of a plane's data, ``(K, M)`` contiguous."""
@@ -353,6 +411,13 @@ class Recipe(abc.ABC):
 def _check_usage(usage: str) -> None:
     if usage not in USAGES:
         raise ValueError(f"usage must be one of {USAGES}, got {usage!r}")
+
+
+def _pad_front(x: torch.Tensor, front: tuple[int, int]) -> torch.Tensor:
+    """``x`` (2-D) with ``front`` zero rows / columns before its first ones."""
+    out = x.new_zeros((x.shape[0] + front[0], x.shape[1] + front[1]))
+    out[front[0]:, front[1]:] = x
+    return out
 
 
 def _to_blocks(x: torch.Tensor, block: BlockShape) -> tuple[torch.Tensor, tuple[int, int]]:

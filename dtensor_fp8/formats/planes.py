@@ -30,9 +30,23 @@ class BlockShape:
     def extent(self, dim: int) -> int | None:
         return self.rows if dim == 0 else self.cols
 
-    def grid(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """Scale-grid shape for a ``(rows, cols)`` matrix."""
-        return tuple(1 if b is None else -(-n // b) for n, b in zip(shape, (self.rows, self.cols)))
+    def grid(self, shape: tuple[int, int], phase: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+        """Scale-grid shape for a ``(rows, cols)`` matrix: the blocks its elements touch when its
+        first element sits ``phase`` elements into a block along each dim (a shard that starts
+        inside a block: see "block phase" in ``base.py``).
+
+        Example:
+            >>> BlockShape(128, 128).grid((64, 256), phase=(64, 0))   # rows 64..127 of one block
+            (1, 2)
+        """
+        return tuple(1 if b is None else (-(-(p % b + n) // b) if n else 0)
+                     for n, b, p in zip(shape, (self.rows, self.cols), phase))
+
+    def first_block(self, dim: int, start: int, phase: int = 0) -> int:
+        """Index, in the local scale grid of a matrix with ``phase`` along ``dim``, of the block
+        holding its element ``start`` along ``dim``."""
+        b = self.extent(dim)
+        return 0 if b is None else (phase % b + start) // b
 
     def __str__(self) -> str:
         fmt = lambda b: "all" if b is None else str(b)  # noqa: E731

@@ -31,7 +31,7 @@ from .. import _compat
 from ..formats.base import Plane, RecipeError
 from ..op_table import QUANTIZED_OPS
 from ..tensor import one_byte_as_uint8
-from .slicing import chunk_of
+from .slicing import chunk_of, max_piece_grid_rows, piece_phase, scale_rows_of_pieces
 
 c10d = _compat.functional_collectives()
 
@@ -50,19 +50,33 @@ def _all_gather_into_tensor(func, args, kwargs):
         c10d.wait_tensor.default(out)
         return out.view(t.dtype)
 
+    # The pieces are consecutive rows: this rank's starts ``rank * rows`` after the first's.
+    rows, cols = q.shape[0], q.shape[1]
+    rank = dist.get_rank(_compat.resolve_process_group(group_name))
+    phase = piece_phase(q.phase, -rank, rows)
     for usage, plane in q.planes.items():
-        block = q.recipe.block_shape(usage).extent(0)
-        if block is not None and q.shape[0] % block:
-            raise RecipeError(
-                f"{q.recipe.name}: all-gather input of shape {tuple(q.shape)} is not a whole number of "
-                f"{block}-row blocks of its {usage} plane; shards must be padded to whole blocks first."
-            )
-        shared_scale = block is None
-        planes[usage] = Plane(gather(plane.data), plane.scale_inv if shared_scale else gather(plane.scale_inv))
+        block = q.recipe.block_shape(usage)
+        if block.extent(0) is None:  # per-tensor: the same scale on every rank, not sent
+            planes[usage] = Plane(gather(plane.data), plane.scale_inv)
+            continue
+        # Each rank's touched scale rows, padded to the most any rank touches (see fsdp_buffers.py's
+        # note on shards that split blocks); one row per block kept, from the rank holding its first row.
+        data = gather(plane.data)
+        gc = block.grid((rows, cols), phase)[1]
+        per_slot = max_piece_grid_rows(block, group_size, rows, cols, phase)
+        slot = plane.scale_inv
+        if slot.shape[0] != per_slot:
+            slot = plane.scale_inv.new_zeros((per_slot, gc))
+            slot[: plane.scale_inv.shape[0]] = plane.scale_inv
+        scale = gather(slot)
+        sources = scale_rows_of_pieces(block, group_size, rows, cols, phase)
+        if sources is not None:
+            scale = scale.index_select(0, torch.tensor(sources, dtype=torch.long, device=scale.device))
+        planes[usage] = Plane(data, scale)
     # The FP8 planes only: a kept values plane (``hp_init``) is each rank's own, for its masters to
     # start from, and a gathered copy is no parameter's (gathering it would add high-precision bytes
     # to every full_tensor(), checkpoints' included).
-    return q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]], hp_init=None)
+    return q.rebuild(planes, shape=[q.shape[0] * group_size, *q.shape[1:]], hp_init=None, phase=phase)
 
 
 @QUANTIZED_OPS.implements([c10d.wait_tensor.default])

@@ -115,6 +115,12 @@ def reads_from(q: QuantizedTensor) -> QuantizedTensor:
 def _new_zeros(func, args, kwargs):
     q, size = args[0], args[1]
     _check_nominal_dtype(q, kwargs.get("dtype"), func)
+    if len(size) == q.dim() and 0 < size[0] < q.shape[0] and q.recipe.phase_period(0) > 1:
+        # A piece of q's rows at a place new_zeros is not told (FSDP2's padded shard, filled by
+        # copy_ from its chunk): unplaced until its owner's layout places it (tensor.py's note).
+        return zeros_like_quantized(q, list(size), kwargs.get("device"), phase=None)
+    if len(size) == q.dim() and size[0] == 0:  # no rows, no blocks
+        return zeros_like_quantized(q, list(size), kwargs.get("device"), phase=(0, 0))
     return zeros_like_quantized(q, list(size), kwargs.get("device"))
 
 
@@ -171,7 +177,14 @@ def _copy_(func, args, kwargs):
                 f"copy_: source holds planes {tuple(src_planes)}, destination needs {usage!r} ({dst.recipe.name})"
             )
         plane.data.copy_(src_planes[usage].data)
-        plane.scale_inv.copy_(src_planes[usage].scale_inv)
+        scale = src_planes[usage].scale_inv
+        if dst._phase is None and plane.scale_inv.shape[0] > scale.shape[0]:
+            # An unplaced destination (FSDP2's padded shard) has room for any phase's scale rows: the
+            # source's go first, which is where placing it keeps them (tensor.py's note).
+            plane.scale_inv.zero_()
+            plane.scale_inv[: scale.shape[0]].copy_(scale)
+            continue
+        plane.scale_inv.copy_(scale)
     if dst.hp_init is not None and src.hp_init is not None:
         dst.hp_init.copy_(src.hp_init)
     if dst.param_state is not src.param_state:

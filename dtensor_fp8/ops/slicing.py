@@ -1,10 +1,14 @@
-"""Block-aligned slicing, splitting, padding and concatenation of a ``QuantizedTensor``.
+"""Slicing, splitting, padding and concatenation of a ``QuantizedTensor``, at any row.
 
 Every op works plane by plane and is driven by the recipe's block geometry, never by the recipe:
-slicing along a dim moves data rows and the scale rows of the blocks they belong to, and refuses
-a boundary that would split a block (``RecipeError``) instead of falling back to high precision.
-These are the ops FSDP2 (``split``/``chunk`` to shard, ``as_strided`` to un-pad) and DTensor
-(``split``, ``constant_pad_nd`` and ``cat`` for uneven shards) apply to a parameter.
+slicing along a dim moves data rows and the scale rows of every block they touch. A piece may
+start inside a block along dim 0 (FSDP2 at any degree, uneven dims, TP x FSDP2): it then carries
+its *block phase* (``QuantizedTensor.phase``, see the note in ``formats/base.py``) and the scale
+of each block it shares with its neighbours, and concatenation keeps one copy of a shared block's
+scale. Along dim 1 a boundary inside a block is still refused (``RecipeError``), never a fall back
+to high precision. These are the ops FSDP2 (``split``/``chunk`` to shard, ``as_strided`` to
+un-pad) and DTensor (``split``, ``constant_pad_nd`` and ``cat`` for uneven shards) apply to a
+parameter.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 
 from ..formats.base import USAGES, Plane, Recipe, RecipeError
 from ..op_table import QUANTIZED_OPS
-from ..tensor import QuantizedTensor
+from ..tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
 
@@ -26,7 +30,9 @@ def shard_boundaries(size: int, num_chunks: int) -> list[int]:
 
 
 def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
-    """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block.
+    """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block
+    where that is not supported: along dim 1 (dim 0 shards may split blocks, which keep one scale
+    from the amax over all their rows: see the note on block phase in ``formats/base.py``).
 
     Args:
         shape: the global shape.
@@ -37,8 +43,10 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
         what: what the tensor is, for the message.
 
     Example:
-        >>> check_shardable((96, 64), MXFP8(), 0, 2)   # raises: row 48 is inside a 32-row block
+        >>> check_shardable((64, 96), MXFP8(), 1, 2)   # raises: column 48 is inside a 1x32 block
     """
+    if dim % len(shape) == 0:
+        return
     align = recipe.shard_alignment(dim, usages)
     size = shape[dim]
     bad = [b for b in shard_boundaries(size, num_chunks) if b % align]
@@ -49,9 +57,9 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
     raise RecipeError(
         f"{recipe.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
         f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
-        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}). Fix: use a world size whose "
-        f"chunks are multiples of {align} (for this shape: {ok_worlds}), or pad dim {dim} to {padded}, "
-        f"or keep this layer in high precision."
+        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}); shards may split blocks along "
+        f"dim 0 only. Fix: use a world size whose chunks are multiples of {align} (for this shape: {ok_worlds}), "
+        f"or pad dim {dim} to {padded}, or keep this layer in high precision."
     )
 
 
@@ -65,12 +73,13 @@ def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, 
 
 # ---- slicing ------------------------------------------------------------------------------------------
 def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> QuantizedTensor:
-    """Rows/cols ``[start, end)`` of every plane, as views.
+    """Rows/cols ``[start, end)`` of every plane, as views, with the scales of every block they touch.
 
-    ``start`` must be a block boundary: a piece starting inside a block would share that block's
-    scale with the previous piece, and pieces could no longer be concatenated (gathered) exactly.
-    ``end`` may fall inside a block: the piece's last block is then ragged, as the last block of
-    any tensor whose size is not a block multiple is (this is how padding is cut off after a gather).
+    Along dim 0 ``start`` may fall inside a block: the piece then starts at a block phase (see
+    ``formats/base.py``) and shares that block's scale with the piece before it. Along dim 1
+    ``start`` must be a block boundary. ``end`` may fall inside a block anywhere: the piece's last
+    block is then ragged, as the last block of any tensor whose size is not a block multiple is
+    (this is how padding is cut off after a gather).
 
     Args:
         q: the tensor.
@@ -84,21 +93,36 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     size = q.shape[dim]
     start, end = max(0, min(start, size)), max(0, min(end, size))
     end = max(start, end)
-    planes = {}
-    for usage, plane in q.planes.items():
+    planes = q.planes  # places an unplaced tensor where its owner knows where it lies
+    if q._phase is None:  # FSDP2 still building the parameter: its leading rows keep every scale row
+        if dim != 0 or start != 0:
+            raise RecipeError(
+                f"{q.recipe.name}: slicing [{start}:{end}] of dim {dim} of an FP8 shard of shape {tuple(q.shape)} whose "
+                "place in its weight is not known yet (see tensor.py, a shard placed after it is cut); only its "
+                "leading rows can be taken before it is placed.")
+        shape = list(q.shape)
+        shape[dim] = end - start
+        hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
+        return q.rebuild({u: Plane(p.data.narrow(dim, start, end - start), p.scale_inv) for u, p in planes.items()},
+                         shape=shape, hp_init=hp, phase=None)
+    phase = q.phase[dim]
+    for usage, plane in list(planes.items()):
         block = q.recipe.block_shape(usage).extent(dim)
         if block is None:  # one scale for the whole dim: shared by every slice
             scale = plane.scale_inv
         else:
-            if start % block and start != size:
+            if dim != 0 and (phase + start) % block and start != size:
                 raise RecipeError(misaligned_message(q, dim, start, usage, block))
-            first, last = start // block, -(-end // block)
+            first = (phase % block + start) // block
+            last = -(-(phase % block + end) // block) if end > start else first
             scale = plane.scale_inv.narrow(dim, first, last - first)
         planes[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
     shape = list(q.shape)
     shape[dim] = end - start
+    new_phase = list(q.phase)
+    new_phase[dim] += start
     hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
-    return q.rebuild(planes, shape=shape, hp_init=hp)
+    return q.rebuild(planes, shape=shape, hp_init=hp, phase=tuple(new_phase))
 
 
 def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> QuantizedTensor:
@@ -171,9 +195,20 @@ def _as_strided(func, args, kwargs):
 
 
 # ---- padding and concatenation (DTensor's uneven-shard gathers) ------------------------------------------
-def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTensor:
+_SAME_PLACE = object()
+
+
+def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLACE) -> QuantizedTensor:
     """An all-zero QuantizedTensor of ``shape`` with ``q``'s recipe, planes and usages (and zero
     init values where ``q`` keeps them: FSDP2 pads a shard with ``new_zeros`` + ``copy_``).
+
+    Args:
+        q: the tensor it is made like.
+        shape: its shape.
+        device: its device (default: ``q``'s).
+        phase: its block phase (default: ``q``'s, a tensor starting where ``q`` starts); ``None``:
+            unplaced, with room for the scale rows of any phase (FSDP2's shard of a weight: see the
+            note on a shard placed after it is cut in ``tensor.py``).
 
     Example:
         >>> padded = zeros_like_quantized(q, (q.shape[0] + 32, q.shape[1]))
@@ -181,9 +216,15 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTen
     device = device or q.device
     if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
         q.param_state.init_written = False  # ``to_empty``: the user's init is to write it (finish_init_ checks)
+    if phase is _SAME_PLACE:
+        phase = q.phase
     planes = {}
     for usage, plane in q.planes.items():
-        grid = q.recipe.block_shape(usage).grid(tuple(shape))
+        block = q.recipe.block_shape(usage)
+        if phase is None:  # the most scale rows a piece of these rows touches, at any phase
+            grid = max(block.grid(tuple(shape), (p, 0)) for p in range(q.recipe.phase_period(0)))
+        else:
+            grid = block.grid(tuple(shape), phase)
         planes[usage] = Plane(
             torch.zeros(shape, dtype=plane.data.dtype, device=device),
             torch.zeros(grid, dtype=plane.scale_inv.dtype, device=device),
@@ -191,7 +232,7 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None) -> QuantizedTen
     hp = None
     if q.hp_init is not None:
         hp = torch.zeros(shape, dtype=q.hp_init.dtype, device=device if q.bytes_pending else q.hp_init.device)
-    return q.rebuild(planes, shape=shape, hp_init=hp)
+    return q.rebuild(planes, shape=shape, hp_init=hp, phase=phase)
 
 
 @QUANTIZED_OPS.implements([aten.constant_pad_nd.default])
@@ -228,8 +269,10 @@ def _cat(func, args, kwargs):
 
 
 def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
-    """Concatenate pieces along ``dim``; every inner boundary must fall on a block boundary, and
-    scales of blocks spanning ``dim`` (per-tensor) must agree between pieces.
+    """Concatenate pieces along ``dim``. Each piece must continue the block phase of the one
+    before it; a block that two pieces share (a boundary inside it: only along dim 0) must have
+    the same scale in both, and is kept once. Scales of blocks spanning ``dim`` (per-tensor) must
+    agree between pieces.
 
     Example:
         >>> full = cat_quantized([top, bottom], 0)
@@ -240,6 +283,17 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
     for t in tensors:
         if not isinstance(t, QuantizedTensor) or t.recipe != first.recipe or tuple(t.planes) != stored:
             raise RecipeError(f"cat: every piece must be a QuantizedTensor with recipe {first.recipe!r} and planes {stored}")
+    period = first.recipe.phase_period(dim)
+    offset = 0
+    for t in tensors:
+        if t.shape[dim] and ((t.phase[dim] - first.phase[dim] - offset) % period
+                             or [p for d, p in enumerate(t.phase) if d != dim]
+                             != [p for d, p in enumerate(first.phase) if d != dim]):
+            raise RecipeError(
+                f"{first.recipe.name}: cannot concatenate along dim {dim} a piece of shape {tuple(t.shape)} at block "
+                f"phase {t.phase} after {offset} elements that started at phase {first.phase}: the pieces are not "
+                "consecutive parts of one weight.")
+        offset += t.shape[dim]
     pieces = [t.planes for t in tensors]
     planes = {}
     for usage in stored:
@@ -253,12 +307,7 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
                 )
             scale = scales[0]
         else:
-            offset = 0
-            for t in tensors[:-1]:
-                offset += t.shape[dim]
-                if t.shape[dim] % block:
-                    raise RecipeError(misaligned_message(first, dim, offset, usage, block))
-            scale = torch.cat(scales, dim)
+            scale = torch.cat(_distinct_block_scales(first, tensors, scales, usage, dim, block), dim)
         fp8_dtype = pieces[0][usage].data.dtype
         data = torch.cat([p[usage].data.view(torch.uint8) for p in pieces], dim).view(fp8_dtype)
         planes[usage] = Plane(data, scale)
@@ -270,3 +319,71 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
     elif any(t.bytes_pending for t in tensors):
         raise RecipeError(f"{first.recipe.name}: cannot concatenate weights whose FP8 bytes are pending with others")
     return first.rebuild(planes, shape=shape, hp_init=hp)
+
+
+def _distinct_block_scales(first: QuantizedTensor, tensors, scales, usage: str, dim: int, block: int) -> list:
+    """Each piece's scale rows along ``dim`` without the block it shares with the piece before it
+    (a boundary inside a block), after checking the two copies agree."""
+    out, end = [], first.phase[dim] % block  # position of the running end inside its block
+    previous = None
+    for t, scale in zip(tensors, scales, strict=True):
+        n = t.shape[dim]
+        if not n:
+            continue
+        if end % block and previous is not None:  # this piece starts inside the previous piece's last block
+            if dim != 0:
+                raise RecipeError(misaligned_message(first, dim, end, usage, block))
+            shared, mine = previous.narrow(dim, previous.shape[dim] - 1, 1), scale.narrow(dim, 0, 1)
+            if not torch.equal(one_byte_as_uint8(shared), one_byte_as_uint8(mine)):
+                raise RecipeError(
+                    f"{first.recipe.name}: two pieces of a weight of shape {tuple(first.shape)} hold different "
+                    f"scales for the {usage} block they share along dim {dim}; a block split between shards takes "
+                    "one scale from the amax over all of its elements (requantize them together).")
+            scale = scale.narrow(dim, 1, scale.shape[dim] - 1)
+        out.append(scale)
+        previous = scale if scale.shape[dim] else previous
+        end = (end + n) % block
+    return out or [scales[0]]
+
+
+# ---- gathered pieces (FSDP2's and DTensor's all-gathers) ----------------------------------------------
+def piece_phase(phase: tuple[int, int], index: int, rows: int) -> tuple[int, int]:
+    """The block phase of equal piece ``index`` of ``rows`` rows each, the first at ``phase``."""
+    return (phase[0] + index * rows, phase[1])
+
+
+def scale_rows_of_pieces(block, world: int, rows: int, cols: int, phase: tuple[int, int]) -> list[int] | None:
+    """Where each row of the block-scale grid of ``world`` consecutive equal pieces (``rows`` rows
+    each, the first at block ``phase``) is found in the pieces' own grids: for grid row ``j``, the
+    flat row ``piece * rows_per_slot + local_row`` of the piece holding the block's first row (a
+    block shared by two pieces is taken from the first; any later piece holds the same scale).
+    ``rows_per_slot`` is :func:`max_piece_grid_rows`. ``None`` when every piece is whole blocks
+    (the pieces' grids concatenate as they are).
+
+    Example:
+        >>> scale_rows_of_pieces(BlockShape(128, 128), 4, 64, 256, (0, 0))   # two 128-row blocks
+        [0, 2]
+    """
+    b = block.extent(0)
+    p0 = 0 if b is None else phase[0] % b
+    if b is None or (p0 == 0 and rows % b == 0):
+        return None
+    per_slot = max_piece_grid_rows(block, world, rows, cols, phase)
+    total = block.grid((world * rows, cols), phase)[0]
+    out = []
+    for j in range(total):
+        first_row = max(0, j * b - p0)
+        piece = min(first_row // rows, world - 1)
+        local = block.first_block(0, first_row - piece * rows, p0 + piece * rows)
+        out.append(piece * per_slot + local)
+    return out
+
+
+def max_piece_grid_rows(block, world: int, rows: int, cols: int, phase: tuple[int, int]) -> int:
+    """The most scale-grid rows any of ``world`` consecutive ``rows``-row pieces touches (the first
+    at block ``phase``): the rows of every piece's slot in a gather."""
+    b = block.extent(0)
+    if b is None:
+        return 1
+    phases = {(phase[0] + i * rows) % b for i in range(min(world, b))}
+    return max(block.grid((rows, cols), (p, phase[1]))[0] for p in phases)
