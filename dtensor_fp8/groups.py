@@ -52,20 +52,22 @@ class Layout(NamedTuple):
 
 
 def _layout(p: torch.Tensor):
-    """``(mesh, placements)`` of a DTensor, or the layout its owner record was bound to, or ``None``.
+    """The :class:`Layout` of a DTensor, or the one its owner record is bound to, or ``None``.
 
-    A local shard whose record is not bound yet (a ``copy_`` into a weight right after
-    ``fully_shard``, before any optimizer or gather saw it) binds it from the parameter its record
-    says it is (``FP8ParamState.home``, set by ``quantize_module_``) when that parameter is a
-    DTensor over the same record."""
+    A local shard binds its record from the parameter the record says it is (``FP8ParamState.home``,
+    set by ``quantize_module_``) when that parameter is a DTensor over the same record, and binds it
+    again when that parameter was laid out anew since (``fully_shard`` after ``parallelize_module``):
+    a ``copy_`` into a weight right after ``fully_shard``, before any optimizer or gather saw it,
+    then derives the groups of its final layout."""
     if isinstance(p, DTensor):
         return Layout(p.device_mesh, tuple(p.placements), tuple(p.shape))
     if isinstance(p, QuantizedTensor):
         record = p.param_state
-        if record.layout is None:
-            home = record.home_parameter()
-            if isinstance(home, DTensor) and isinstance(home._local_tensor, QuantizedTensor) \
-                    and home._local_tensor.param_state is record:
+        home = record.home_parameter()
+        if isinstance(home, DTensor) and isinstance(home._local_tensor, QuantizedTensor) \
+                and home._local_tensor.param_state is record:
+            layout = record.layout
+            if layout is None or layout.mesh is not home.device_mesh or layout.placements != tuple(home.placements):
                 bind_layout_(home)
         return record.layout
     return None

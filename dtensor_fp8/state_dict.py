@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._compat import dtensor_local
 from .formats.base import Plane, RecipeError
@@ -101,8 +101,9 @@ def plane_entries(param: torch.Tensor) -> dict:
             data = like(param, data)
             placements = _scale_placements(param, q.recipe, usage)
             split = split_blocks(param, usage)
-            if split is not None:  # shards split blocks: saved as the grid's own shards (see the note)
-                scale = _grid_shard(_whole_grid(scale, split), param.device_mesh, placements)
+            if split is not None:  # shards split blocks: the whole dim-0 grid (see the note)
+                placements = [Replicate() if shard_dim(pl) == 0 else pl for pl in placements]
+                scale = _whole_grid(scale, split)  # this rank's columns, every row
             scale = DTensor.from_local(scale, param.device_mesh, placements,
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
         entry[f"{usage}_data"] = data
@@ -174,6 +175,8 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         split = None if full or not isinstance(param, DTensor) else split_blocks(param, usage)
         if split is not None and isinstance(entry[f"{usage}_scale_inv"], DTensor):
             scale = _touched_rows(entry[f"{usage}_scale_inv"], split, plane.scale_inv.shape[0])
+        elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
+            scale = scale[split.first : split.first + plane.scale_inv.shape[0]]  # a plain tensor of the whole grid
         want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
@@ -200,11 +203,14 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 
 # [Note: saved scales of shards that split blocks]
 # Where shards split blocks (see "block phase" in formats/base.py) each rank holds the scale rows of
-# the blocks it touches, a shared block on both ranks; a checkpoint holds the block grid once, as a
-# DTensor sharded like the data by torch's chunk rule on the grid's own rows (the layout of aligned
-# shards), so it loads at any other layout, aligned or not, and old checkpoints load here. Both
-# directions go through the weight's whole grid along dim 0, MAX-reduced over the mesh dims sharding
-# it (every rank's rows in place, zeros elsewhere): 4 bytes per block of one weight at a time.
+# the blocks it touches, a shared block on both ranks, which no DTensor sharding describes. The
+# entry's scale tensor is then the weight's whole grid along dim 0 (replicated over the mesh dims
+# sharding dim 0, still sharded along dim 1 where the data is): each rank builds it from its rows
+# with one MAX all-reduce (every rank's rows in place, zeros elsewhere), DCP writes it once, and a
+# load takes this rank's touched rows out of it. The checkpoint holds the same grid as at any
+# other layout, so it loads aligned or split, at any world size, and old checkpoints load here.
+# Cost: the dim-0 scale grids of such weights are whole on every rank while the state dict lives
+# (128x128: 4 bytes per 128x128 block; 1x128 and MXFP8 column planes: 1/32 byte per element).
 def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
     """The whole dim-0 block grid of a weight from each rank's touched rows ``scale``."""
     rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
@@ -214,21 +220,10 @@ def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
     return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
 
 
-def _grid_shard(whole: torch.Tensor, mesh, placements) -> torch.Tensor:
-    """This rank's chunk of the grid ``whole`` by the scale's placements (no communication)."""
-    return distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local().contiguous()
-
-
 def _touched_rows(saved, split, rows: int) -> torch.Tensor:
-    """The scale rows of the blocks this rank's shard touches, from a loaded grid DTensor ``saved``."""
-    local = saved.to_local()
-    layout = groups.Layout(saved.device_mesh, tuple(saved.placements), tuple(saved.shape))
-    start = groups.dim_pieces(layout, 0)[0][0]
-    src = local.float() if local.dtype.itemsize == 1 else local
-    whole = src.new_zeros(tuple(saved.shape))
-    whole[start : start + local.shape[0]] = src
-    whole = groups.max_over_(whole, split.groups)[split.first : split.first + rows]
-    return whole.to(local.dtype) if local.dtype.itemsize == 1 else whole
+    """The scale rows of the blocks this rank's shard touches, from a loaded grid DTensor ``saved``
+    (whole along dim 0: see the note)."""
+    return saved.to_local()[split.first : split.first + rows]
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:

@@ -200,7 +200,12 @@ class QuantizedTensor(torch.Tensor):
         layout = groups.layout_of(self)
         if layout is None:
             return False
-        self.place_(tuple(groups.dim_pieces(layout, d)[0][0] for d in (0, 1)))
+        pieces = [groups.dim_pieces(layout, d)[0] for d in (0, 1)]
+        if pieces[0][1] - pieces[0][0] > self.shape[0]:
+            # the layout of a parameter FSDP2 is still sharding (a TP shard's, before fully_shard made
+            # its own): this tensor is a piece of that parameter's shard, not yet placed by it
+            return False
+        self.place_(tuple(start for start, _ in pieces))
         return True
 
     def place_(self, phase: tuple[int, int]) -> "QuantizedTensor":

@@ -108,6 +108,7 @@ def check_tp_plan(module: nn.Module, mesh: DeviceMesh, plan) -> None:
                 check_shardable(
                     tuple(w.shape), w.recipe, dim, tp, w.usages or USAGES,
                     what=f"{type(style).__name__} weight {fqn or '<root>'}.weight (tensor-parallel size {tp})",
+                    computes=True,
                 )
 
 

@@ -29,10 +29,13 @@ def shard_boundaries(size: int, num_chunks: int) -> list[int]:
     return [i * chunk for i in range(1, num_chunks) if 0 < i * chunk < size]
 
 
-def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight") -> None:
+def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight", *,
+                    computes: bool = False) -> None:
     """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block
-    where that is not supported: along dim 1 (dim 0 shards may split blocks, which keep one scale
-    from the amax over all their rows: see the note on block phase in ``formats/base.py``).
+    where that is not supported: along dim 1, or along any dim for a shard that ``computes`` on its
+    own rows (a tensor-parallel shard: its GEMMs read whole blocks). A dim-0 shard that is gathered
+    before use (FSDP2, a DTensor) may split blocks, which keep one scale from the amax over all their
+    rows (see the note on block phase in ``formats/base.py``).
 
     Args:
         shape: the global shape.
@@ -45,7 +48,7 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
     Example:
         >>> check_shardable((64, 96), MXFP8(), 1, 2)   # raises: column 48 is inside a 1x32 block
     """
-    if dim % len(shape) == 0:
+    if dim % len(shape) == 0 and not computes:
         return
     align = recipe.shard_alignment(dim, usages)
     size = shape[dim]
@@ -57,8 +60,10 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
     raise RecipeError(
         f"{recipe.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
         f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
-        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}); shards may split blocks along "
-        f"dim 0 only. Fix: use a world size whose chunks are multiples of {align} (for this shape: {ok_worlds}), "
+        f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}); "
+        + ("a shard that computes on its own rows (tensor parallelism) holds whole blocks (FSDP2 may split them "
+           "further). " if computes else "shards may split blocks along dim 0 only. ")
+        + f"Fix: use a world size whose chunks are multiples of {align} (for this shape: {ok_worlds}), "
         f"or pad dim {dim} to {padded}, or keep this layer in high precision."
     )
 
