@@ -11,9 +11,7 @@ the outputs). We choose the *usages* a gather moves (:func:`gather_usages`) from
 * backward gather: ``columnwise`` (input-gradient GEMM);
 * the first gather of a group that does not reshard after forward (the root by default,
   ``reshard_after_forward=False``): both, because no backward gather follows;
-* with ``checkpoint_wrapper`` or composable ``checkpoint`` under the group, or a module marked with
-  :func:`gather_both_usages`: both, because the forward is recomputed inside backward from the
-  backward gather;
+* a module marked with :func:`gather_both_usages` under the group: both;
 * with a compiled module under the group (``block.compile()`` or ``torch.compile(block)`` before
   ``fully_shard``, torchtitan's per-block compile): both, because a compiled backward is traced
   together with its forward and reads the planes the forward's graph saved (views of FSDP's
@@ -31,6 +29,21 @@ micro-batch's backward while another's is pending).
 
 The plain schedule (``reshard_after_forward=True``, one forward and one backward per step) thus
 moves each weight's bytes once per direction: the figures ``tests/test_fsdp.py`` asserts.
+
+*Activation checkpointing.* A weight owned by a module under ``checkpoint_wrapper`` or composable
+``checkpoint`` (found at its first gather, :func:`_recomputed_in_backward`) is read three times a
+step: forward (rowwise), the recompute inside backward (rowwise) and the input-gradient GEMM
+(columnwise), the last two from the backward gather. Its gathers are the plain schedule's (forward
+rowwise, backward columnwise: the count rule holds), and the backward gather of an MXFP8 / 1x128
+weight completes the rowwise plane at once, in the post-all-gather hook, before the recompute
+reads it (``param_state.gather.completes_for_recompute``; ``fsdp_completion.py``): three planes
+cross the wire per step, each once, where gathering both planes in both gathers moved four.
+Per-tensor and 128x128 weights move their one plane per gather as in the plain schedule (the
+backward gather serves the recompute too). A TE module's weight (a registered
+:class:`UnshardedView`, which is not completed) under checkpointing gathers both planes, as does
+everything under a compiled module. A ``torch.utils.checkpoint`` call inside a module's
+``forward`` is not visible beforehand: its recompute completes the weights it reads when it reads
+them (the same bytes, not issued at the gather).
 
 *What a gathered weight serves.* Per-tensor and 128x128 recipes store one plane that serves both
 directions (the columnwise plane is its transpose), so every gathered weight of those recipes
@@ -150,18 +163,29 @@ def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> Non
 
 
 def _gathers_both(group) -> bool:
-    """Whether every gather of ``group`` must carry both planes (see the note at the top). The
-    walk over every submodule is the costliest part of a gather's bookkeeping: it runs at a
-    parameter's first gather, whose answer the owner record keeps (``gather.gathers_both``).
-    Apply checkpointing and compile before the first forward, as torch's own FSDP2 recipes and
-    torchtitan do."""
+    """Whether every gather of ``group`` must carry both planes (see the note at the top): a
+    compiled module or one marked :func:`gather_both_usages` under it. The walk over every
+    submodule is the costliest part of a gather's bookkeeping: it runs at a parameter's first
+    gather, whose answer the owner record keeps (``gather.gathers_both``). Apply checkpointing and
+    compile before the first forward, as torch's own FSDP2 recipes and torchtitan do."""
+    for root in _compat.fsdp_group_modules(group):
+        for m in root.modules():
+            if getattr(m, GATHER_BOTH_ATTR, False) or _compat.is_compiled_module(m):
+                return True
+    return False
+
+
+def _recomputed_in_backward(group, module: torch.nn.Module) -> bool:
+    """Whether ``module`` (the owner of a weight ``group`` gathers) runs again inside backward: it
+    is, or lies under, a ``checkpoint_wrapper`` or a module with composable ``checkpoint`` under the
+    group's modules (see "Activation checkpointing" in the note at the top). Read once per weight,
+    at its first gather."""
     wrapper_cls = _compat.checkpoint_wrapper_class()
     for root in _compat.fsdp_group_modules(group):
         for m in root.modules():
-            if isinstance(m, wrapper_cls) or getattr(m, GATHER_BOTH_ATTR, False):
-                return True
-            if _compat.uses_composable_checkpoint(m) or _compat.is_compiled_module(m):
-                return True
+            if isinstance(m, wrapper_cls) or _compat.uses_composable_checkpoint(m):
+                if any(sub is module for sub in m.modules()):
+                    return True
     return False
 
 
@@ -189,10 +213,12 @@ def gather_usages(group, *, gathers_both: bool | None = None) -> tuple[str, ...]
     return (ROWWISE,)
 
 
-#: Set this attribute to True on a module whose forward runs activation checkpointing by itself
-#: (``torch.utils.checkpoint.checkpoint`` inside ``forward``) or runs compiled without being a
-#: compiled module itself, so its FP8 weights are gathered with both planes. ``checkpoint_wrapper``,
-#: composable ``checkpoint``, ``module.compile()`` and ``torch.compile(module)`` are detected without it.
+#: Set this attribute to True on a module that runs compiled without being a compiled module itself
+#: (or whose forward runs ``torch.utils.checkpoint.checkpoint`` by itself, where both planes in every
+#: gather are preferred to a completion at the recompute), so its FP8 weights are gathered with both
+#: planes. ``module.compile()`` and ``torch.compile(module)`` are detected without it;
+#: ``checkpoint_wrapper`` and composable ``checkpoint`` need no mark (their backward gather
+#: completes the recompute's plane: see the note at the top).
 GATHER_BOTH_ATTR = "_dtensor_fp8_gather_both"
 
 
@@ -273,9 +299,14 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     record = self.param_state.gather
     record.start_gather()  # FSDP2 gathers a sharded weight: the last gather's buffers are freed
     group = _param_group_of(self, module)
-    usages = gather_usages(group, gathers_both=record.gathers_both)
     if record.gathers_both is None:  # the first gather fixes how many planes every gather carries
+        recomputed = _recomputed_in_backward(group, module)
+        # A TE module's unsharded weight is not completed: under checkpointing it gathers both.
+        usages = gather_usages(group, gathers_both=True if recomputed and record.unsharded_view is not None else None)
         record.gathers_both = len(usages) == len(USAGES)
+        record.completes_for_recompute = recomputed and not record.gathers_both
+    else:
+        usages = gather_usages(group, gathers_both=record.gathers_both)
     # The same few gathers repeat every step; their plans are kept in the owner record, keyed by
     # the mesh object FSDP holds for the parameter's lifetime.
     plans = record.plans
@@ -374,9 +405,13 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
                                metadata.orig_rows)
         _keep_shared_scales(record, planes, shared_scales)
         return result
+    completes = False
     if len(usages) < len(USAGES) and metadata.process_group is not None:
         # One plane of two: a read of the other completes the weight (fsdp_completion.py).
         record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
+        # The backward gather of a weight that a checkpointed module recomputes: the recompute's
+        # rowwise plane is all-gathered now, at the gather, not at the recompute's first read.
+        completes = backward_only and record.completes_for_recompute
     gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
                                            param_state=self.param_state, phase=metadata.phase)
     if out is not None:
@@ -385,10 +420,14 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
         rows = out_local.shape[0]
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out_local.repoint_(trimmed.planes, trimmed.usages)
+        if completes:
+            record.gathered.complete_(out_local, ROWWISE)
         if backward_only:
             out_local.create_transpose_cache()
         _keep_shared_scales(record, planes, shared_scales)
         return
+    if completes:  # before FSDP2 makes its aliases of ``gathered``, so that they hold the plane too
+        record.gathered.complete_(gathered, ROWWISE)
     if backward_only:
         gathered.create_transpose_cache()
     _keep_shared_scales(record, planes, shared_scales)

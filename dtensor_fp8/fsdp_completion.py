@@ -17,6 +17,14 @@ so the collectives match), with the inputs the plain gather would send for that 
 list FSDP2 holds as the parameter's inner tensors to free (``param_state.gather.inner_tensors``,
 returned by the first post-all-gather hook): FSDP2 frees them when it reshards the weight, as it
 frees its own buffers, and the next gather empties the list before FSDP2 would allocate them again.
+
+One schedule is known beforehand: a weight owned by a module under ``checkpoint_wrapper`` or
+composable ``checkpoint`` is read rowwise by the recompute right after its backward gather (columnwise)
+arrives. Its backward gather completes it at once: ``fsdp_post_all_gather`` calls
+:meth:`GatheredWeight.complete_` on the unsharded weight it hands FSDP2 (before FSDP2 makes its
+aliases), at the same point of FSDP2's schedule on every rank (its wait for that gather), so the
+recompute reads a plane that is already there and the step moves three planes, each once. The
+plane's buffers live and die with the gather's, as above.
 """
 
 from __future__ import annotations

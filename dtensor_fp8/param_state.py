@@ -133,9 +133,14 @@ class GatherState:
             its last inputs (``fsdp_buffers.PlanEntry``), made at its first gather.
         group: a weak reference to the ``FSDPParamGroup`` gathering the parameter, read once from
             FSDP2's registry; ``None`` before the first gather.
-        gathers_both: whether every gather carries both directions (checkpointing or compile
-            under the group, or a first gather that wanted both: FSDP2 sizes its all-gather
-            buffers at the first gather, so that one fixes it for all); ``None`` before.
+        gathers_both: whether every gather carries both directions (compile under the group, a
+            module marked ``gather_both_usages``, or a first gather that wanted both: FSDP2 sizes
+            its all-gather buffers at the first gather, so that one fixes it for all); ``None``
+            before.
+        completes_for_recompute: whether a backward gather that brought the columnwise plane
+            of a two-plane recipe completes the rowwise plane at once, for the recompute of an
+            activation-checkpointed module owning the weight (see the note in
+            ``fsdp_completion.py``); fixed with ``gathers_both``, ``False`` before.
         unsharded_scales: the unsharded weight's own copies of per-tensor scales, by plane
             (``fsdp._shared_scale``).
         unsharded_view: what a gather hands out as the unsharded parameter where that is not a
@@ -156,6 +161,7 @@ class GatherState:
     plans: dict = field(default_factory=dict)
     group: "weakref.ref | None" = None
     gathers_both: bool | None = None
+    completes_for_recompute: bool = False
     unsharded_scales: dict[str, torch.Tensor] = field(default_factory=dict)
     unsharded_view: object | None = None
     gathered: object | None = None

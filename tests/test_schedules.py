@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -66,9 +67,13 @@ def _model(recipe_name, ckpt=None):
 
 
 def _shard(model, reshard_after_forward=True, wrap=False):
+    """``wrap``: ``"wrapper"`` (``checkpoint_wrapper``) or ``"composable"`` (composable
+    ``checkpoint``) around each block, before ``fully_shard`` (as torchtitan applies AC)."""
     mesh = init_device_mesh(DEVICE, (torch.distributed.get_world_size(),))
     for i in (0, 1):
-        if wrap:
+        if wrap == "composable":
+            composable_checkpoint(model[i])
+        elif wrap:
             model[i] = checkpoint_wrapper(model[i])
         fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh)  # the root (the head): does not reshard after forward
@@ -132,7 +137,8 @@ SCHEDULES = {
     # (c) recompute inside a block, and checkpoint_wrapper around a whole block
     "checkpoint_part_reentrant": dict(ckpt="reentrant"),
     "checkpoint_part_non_reentrant": dict(ckpt="non_reentrant"),
-    "checkpoint_wrapper": dict(wrap=True),
+    "checkpoint_wrapper": dict(wrap="wrapper"),
+    "composable_checkpoint": dict(wrap="composable"),
     # (d) reshard_after_forward as bool (False) and int (2 of 4 ranks: a smaller post-forward mesh)
     "no_reshard_after_forward": dict(reshard_after_forward=False),
     "int_reshard_after_forward": dict(reshard_after_forward=2, world=4),
@@ -197,9 +203,35 @@ COMPLETIONS = {
     "1f1b": {"0.up.weight": 1, "0.down.weight": 1, "1.up.weight": 1, "1.down.weight": 1},  # F2 after B0
     "checkpoint_part_reentrant": {"0.up.weight": MICRO, "1.up.weight": MICRO},  # each recompute of `up`
     "checkpoint_part_non_reentrant": {"0.up.weight": MICRO, "1.up.weight": MICRO},
-    "checkpoint_wrapper": {},  # gathers both planes (fsdp.py: checkpoint_wrapper is seen)
+    # the backward gather completes the recompute's rowwise plane at once (fsdp.py: seen at the first gather)
+    "checkpoint_wrapper": {"0.up.weight": MICRO, "0.down.weight": MICRO, "1.up.weight": MICRO, "1.down.weight": MICRO},
+    "composable_checkpoint": {"0.up.weight": MICRO, "0.down.weight": MICRO,
+                              "1.up.weight": MICRO, "1.down.weight": MICRO},
     "no_reshard_after_forward": {},  # gathers both planes in forward, no backward gather
     "int_reshard_after_forward": {},  # resharded after forward (True): one direction each gather
+}
+
+
+def _plane_bytes(recipe_name):
+    """The bytes each rank receives when one plane of one (DIM, DIM) weight is all-gathered: the FP8
+    data and the block scales (E8M0 per 32 values, FP32 per 128 or per 128x128; per-tensor scales are
+    not sent). Every shard here is whole blocks, so nothing is padded."""
+    return DIM * DIM + {"mxfp8": DIM * DIM // 32, "blockwise1d": DIM * DIM // 128 * 4,
+                        "blockwise2d": (DIM // 128) ** 2 * 4}.get(recipe_name, 0)
+
+
+#: Planes of the 5 weights (4 in the blocks, the root's head) that cross the wire per micro-batch,
+#: (MXFP8 / 1x128, per-tensor / 128x128): the floor. The plain schedule gathers each block weight
+#: forward (rowwise) and backward (columnwise), the head once with both (the root does not reshard
+#: after forward: one plane for the one-plane recipes). A recompute reads the rowwise plane again:
+#: one more plane for each recomputed weight of a two-plane recipe (completed), none for one-plane
+#: recipes (their backward gather serves it).
+WIRE_PLANES = {
+    "plain": (4 * 2 + 2, 4 * 2 + 1),
+    "checkpoint_wrapper": (4 * 3 + 2, 4 * 2 + 1),
+    "composable_checkpoint": (4 * 3 + 2, 4 * 2 + 1),
+    "checkpoint_part_reentrant": (2 * 3 + 2 * 2 + 2, 4 * 2 + 1),  # `up` recomputed, `down` not
+    "checkpoint_part_non_reentrant": (2 * 3 + 2 * 2 + 2, 4 * 2 + 1),
 }
 
 
@@ -225,6 +257,11 @@ def test_schedule_trains_bitwise_like_the_plain_schedule(pools, recipe_name, sch
         expected = {} if recipe_name in ONE_PLANE or world == 1 else {
             n: c * STEPS for n, c in COMPLETIONS[schedule].items()}
         assert completions == expected, (rank, completions)
+        if schedule in WIRE_PLANES and world > 1:  # activation checkpointing: exactly the floor, every step
+            two_plane = recipe_name not in ONE_PLANE
+            per_step = {k: MICRO * _plane_bytes(recipe_name) * v[0 if two_plane else 1] for k, v in WIRE_PLANES.items()}
+            assert ref_received == STEPS * per_step["plain"], (rank, ref_received / STEPS, per_step["plain"])
+            assert received == STEPS * per_step[schedule], (rank, received / STEPS, per_step[schedule])
         if schedule == "int_reshard_after_forward":
             assert sum("reshard_after_forward=<int>" in w for w in caught) == 2, caught  # once per block
             assert received == ref_received, (received, ref_received)

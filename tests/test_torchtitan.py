@@ -73,7 +73,8 @@ _PARALLEL_DIMS: dict = {}
 class _Run:
     """One torchtitan training setup on this rank: model, optimizers, schedulers, checkpointer."""
 
-    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None):
+    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None, ac=None):
+        """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``."""
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -86,7 +87,7 @@ class _Run:
             model = _model_config(recipe, enable_sp=False).build()
         torch.manual_seed(0)  # init_weights draws the same values with and without FP8
         model = parallelize_llama(model, parallel_dims=self.dims, training=training, parallelism=parallelism,
-                                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+                                  compile_config=CompileConfig(), ac_config=ac, dump_folder="")
         #: the parameters right after parallelization (before to_empty): name -> (class of the local tensor, recipe)
         self.parallelized = {n: (type(dtensor_local(p)).__name__, getattr(dtensor_local(p), "recipe", None))
                              for n, p in model.named_parameters()}
@@ -220,6 +221,46 @@ def _check_side_by_side(out, recipes):
 
 
 RECIPES_2 = list(d.RECIPES)
+
+#: The debug model's 30 block Linear weights (6 layers x wqkv, wo, w1, w2, w3): what torchtitan's
+#: activation checkpointing recomputes. One plane of them, each rank receives: 1 byte a value plus
+#: 1/32 byte of scales (MXFP8: an E8M0 per 32; 1x128: an FP32 per 128).
+BLOCK_LINEAR_NUMEL = 5_111_808
+
+
+def _ac_against_off(recipe, steps=2):
+    """The same training with torchtitan's selective AC (its debug config's) and without: losses,
+    every local byte, and the all-gather bytes each rank received over ``steps`` after a warm-up."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from dtensor_fp8.comm import CollectiveBytes
+
+    out = {}
+    for name, ac in (("off", None), ("selective", SelectiveAC.Config())):
+        run = _Run(recipe, 1, "spmd_types", ac=ac)
+        run.train(range(1))  # lazy init, outside the count
+        with CollectiveBytes() as wire:
+            losses = run.train(range(1, 1 + steps))
+        snap = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in run.snapshot().items()}
+        out[name] = (losses, snap, wire.received, wire.calls)
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES_2)
+def test_selective_activation_checkpointing_trains_bitwise_and_moves_each_plane_once(pools, recipe):
+    """torchtitan's selective AC (``checkpoint_wrapper`` with a per-op policy around every block):
+    the same losses and bytes as without it, bitwise; MXFP8 / 1x128 receive exactly one more plane
+    of the block weights per step (the recompute's rowwise plane, completed at the backward gather;
+    gathering both planes in both gathers received two more), the one-plane recipes nothing more."""
+    steps = 2
+    for out in pools[2].run(_ac_against_off, recipe, steps):
+        (losses, snap, received, _), (ref_losses, ref_snap, ref_received, _) = out["selective"], out["off"]
+        assert losses == ref_losses, (losses, ref_losses)
+        assert snap.keys() == ref_snap.keys()
+        assert [k for k in snap if not torch.equal(snap[k], ref_snap[k])] == []
+        two_plane = recipe in ("mxfp8", "blockwise1d")
+        extra = steps * (BLOCK_LINEAR_NUMEL + BLOCK_LINEAR_NUMEL // 32) if two_plane else 0
+        assert received - ref_received == extra, (recipe, received - ref_received, extra)
 
 
 def test_fsdp_two_ranks_every_recipe_trains_like_bf16(pools):
