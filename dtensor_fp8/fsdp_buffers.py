@@ -39,15 +39,21 @@ from .tensor import QuantizedTensor, one_byte_as_uint8
 aten = torch.ops.aten
 
 
-def _scale_slot_numel(q: QuantizedTensor, rows: int, world: int, phase: tuple[int, int]) -> int:
-    """Numel of the scale input of a ``rows``-row shard: the largest local scale grid over both
-    usages and every rank's shard (the first at block ``phase``), so forward and backward gathers
-    hand FSDP equal numels on every rank."""
+def scale_slot_numel(recipe, rows: int, cols: int, world: int, phase: tuple[int, int] = (0, 0)) -> int:
+    """Numel of every scale input of an FSDP2 gather of ``rows``-row shards of a ``cols``-column
+    weight over ``world`` ranks (the first shard at block ``phase``): the largest local scale grid
+    over both usages and every rank's shard, so forward and backward gathers hand FSDP equal numels
+    on every rank (see the note in ``fsdp.py``).
+
+    Example:
+        >>> scale_slot_numel(MXFP8(), 64, 4096, 8)   # the rowwise grid (64, 128) is the larger
+        8192
+    """
     out = 0
     for u in (ROWWISE, COLUMNWISE):
-        block = q.recipe.block_shape(u)
-        cols = block.grid((rows, q.shape[1]), phase)[1]
-        out = max(out, max_piece_grid_rows(block, world, rows, q.shape[1], phase) * cols)
+        block = recipe.block_shape(u)
+        grid_cols = block.grid((rows, cols), phase)[1]
+        out = max(out, max_piece_grid_rows(block, world, rows, cols, phase) * grid_cols)
     return out
 
 
@@ -102,7 +108,7 @@ class GatherPlan:
     padded_rows: int  # rows of each rank's (padded) shard
     pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
     sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
-    scale_slot: int  # numel of every scale input (see _scale_slot_numel)
+    scale_slot: int  # numel of every scale input (see scale_slot_numel)
     view: object  # the owning module's registered fsdp.UnshardedView (te.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
     shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
@@ -157,7 +163,7 @@ def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usa
     # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
     shard_view = world == 1 and (view is None or view.views_shard(q))
     return GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
-                       sent_scales=sent_scales, scale_slot=_scale_slot_numel(q, padded_rows, world, phase), view=view,
+                       sent_scales=sent_scales, scale_slot=scale_slot_numel(q.recipe, padded_rows, outer_size[1], world, phase), view=view,
                        fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group,
                        phase=(phase[0] % q.recipe.phase_period(0), phase[1]), scale_sources=scale_sources,
                        side_scales=bool(sent_scales) and outer_size[0] % world != 0)

@@ -1,0 +1,45 @@
+"""``python -m dtensor_fp8.benchmarks layouts`` computes wire bytes from the gather plan's sizes: they
+must be the bytes the collectives move (counted on real ranks), aligned shards and split blocks alike."""
+
+import pytest
+
+from dtensor_fp8.benchmarks import layouts
+from test_fsdp import CHECKPOINT_BYTES, PLAIN_SCHEDULE_BYTES, _wire_bytes
+from test_placement import RECIPES
+
+WEIGHTS = ((512, 256), (256, 512))  # test_fsdp's model
+
+
+def _computed(recipe_name, world, checkpointing):
+    recipe = RECIPES[recipe_name]
+    total = 0
+    for rows, cols in WEIGHTS:
+        per_plane = layouts._gather_bytes(recipe, rows, cols, world)
+        total += per_plane[recipe.stored_usage("rowwise")][0] + per_plane[recipe.stored_usage("columnwise")][0]
+        if checkpointing and len(per_plane) == 2:
+            total += per_plane["rowwise"][0]
+    return total
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_computed_bytes_are_the_measured_ones_at_two_ranks(recipe_name):
+    assert _computed(recipe_name, 2, False) == PLAIN_SCHEDULE_BYTES[recipe_name]
+    assert _computed(recipe_name, 2, True) == CHECKPOINT_BYTES[recipe_name]
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "blockwise1d", "blockwise2d"])
+def test_computed_bytes_are_counted_where_shards_split_blocks(pools, recipe_name):
+    """4 ranks: the (256, 512) weight's 64-row shards split 128-row blocks (every rank sends the
+    scale rows of the blocks it touches, padded to its slot)."""
+    received, _ = pools[4].run(_wire_bytes, recipe_name)[0]
+    assert received == _computed(recipe_name, 4, False)
+
+
+def test_every_fsdp_degree_is_accepted_on_llama3_shapes():
+    rows = layouts.layout_rows(["llama3-8b"], {n: RECIPES[n] for n in ("blockwise2d", "mxfp8")}, 1024)
+    for r in rows:
+        if r["tp"] <= 8:  # 1024-row K/V projections: 128 rows per TP rank at tp 8, whole blocks
+            assert r["accepted"], r
+    # TP shards compute on their rows: a 64-row TP shard of a 128-row block is refused, named
+    refused = [r for r in rows if r["recipe"] == "blockwise2d" and r["tp"] == 16]
+    assert refused and all(not r["accepted"] and "wk" in r["refused"] for r in refused)
