@@ -33,7 +33,7 @@ import torch
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
 import torch.distributed as dist
 
-from .ops.slicing import max_piece_grid_rows, piece_phase, scale_rows_of_pieces
+from .ops.slicing import max_piece_grid_rows, scale_rows_of_pieces
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten

@@ -30,25 +30,15 @@ shard (an in-place write) derives the same groups.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _compat
-from .placement import shard_dim
+from .layout import Layout, dim_pieces, shard_dim, splits_blocks  # noqa: F401  (re-exported)
 from .tensor import QuantizedTensor
 
 Group = dist.ProcessGroup
-
-
-class Layout(NamedTuple):
-    """Where an FP8 parameter's shards lie: its DTensor's mesh, placements and global shape."""
-
-    mesh: object
-    placements: tuple
-    shape: tuple[int, ...]
 
 
 def _layout(p: torch.Tensor):
@@ -62,14 +52,7 @@ def _layout(p: torch.Tensor):
     if isinstance(p, DTensor):
         return Layout(p.device_mesh, tuple(p.placements), tuple(p.shape))
     if isinstance(p, QuantizedTensor):
-        record = p.param_state
-        home = record.home_parameter()
-        if isinstance(home, DTensor) and isinstance(home._local_tensor, QuantizedTensor) \
-                and home._local_tensor.param_state is record:
-            layout = record.layout
-            if layout is None or layout.mesh is not home.device_mesh or layout.placements != tuple(home.placements):
-                bind_layout_(home)
-        return record.layout
+        return p.param_state.current_layout()
     return None
 
 
@@ -120,53 +103,6 @@ def weight_groups(p: torch.Tensor, spans: Callable[[int], bool]) -> tuple[Group,
     mesh, placements, _ = layout
     return tuple(mesh.get_group(i) for i, pl in enumerate(placements)
                  if (d := shard_dim(pl)) is not None and spans(d) and mesh.size(i) > 1)
-
-
-def dim_pieces(layout: Layout, dim: int) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-    """Where the shards of ``layout`` lie along tensor dim ``dim``: ``((start, stop) of this rank's
-    shard, [(start, stop) of every rank's shard])``, by torch's chunk rule applied mesh dim by mesh
-    dim (FSDP2's ``_StridedShard`` over a tensor-parallel dim after the TP dims it shards within:
-    FSDP2 chunks the TP shard). No communication: every rank computes every shard.
-
-    Args:
-        layout: a parameter's :class:`Layout` (:func:`layout_of`).
-        dim: the tensor dim.
-
-    Example:
-        >>> dim_pieces(layout_of(w), 0)   # fully_shard of a 256-row weight over 4 ranks, rank 1
-        ((64, 128), [(0, 64), (64, 128), (128, 192), (192, 256)])
-    """
-    mesh, placements, shape = layout
-    strided = _compat.strided_shard_class()
-    order = [i for i, pl in enumerate(placements) if shard_dim(pl) == dim and not isinstance(pl, strided)]
-    order += [i for i, pl in enumerate(placements) if shard_dim(pl) == dim and isinstance(pl, strided)]
-    coord = mesh.get_coordinate()
-    mine, every = (0, shape[dim]), [(0, shape[dim])]
-    for i in order:
-        n = mesh.size(i)
-        mine = _chunk(mine, n)[coord[i]]
-        every = [piece for whole in every for piece in _chunk(whole, n)]
-    return mine, every
-
-
-def _chunk(span: tuple[int, int], n: int) -> list[tuple[int, int]]:
-    start, stop = span
-    size = stop - start
-    step = -(-size // n) if size else 0
-    return [(min(start + k * step, stop), min(start + (k + 1) * step, stop)) for k in range(n)]
-
-
-def splits_blocks(layout: Layout | None, dim: int, block: int | None) -> bool:
-    """Whether a shard of ``layout`` starts inside a ``block``-long scaling block along ``dim``
-    (the same answer on every rank: then the block's amax is reduced over the ranks sharing it).
-
-    Example:
-        >>> splits_blocks(layout_of(w), 0, 128)   # a 256-row weight over 4 ranks: 64-row shards
-        True
-    """
-    if layout is None or block is None or not any(shard_dim(pl) == dim for pl in layout.placements):
-        return False
-    return any(start % block for start, stop in dim_pieces(layout, dim)[1] if stop > start)
 
 
 def mesh_groups(params: Iterable[torch.Tensor]) -> tuple[Group, ...]:

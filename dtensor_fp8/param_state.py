@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .layout import Layout
+
 
 #: The GEMM operands whose scaling state a record keeps: activations and output gradients.
 OPERANDS = ("input", "grad")
@@ -207,8 +209,8 @@ class FP8ParamState:
         operand_scaling: ``"input"`` / ``"grad"`` -> the scaling state of the FP8 GEMMs'
             activations / output gradients (``Recipe.operand_state``); empty for recipes without.
         gather: FSDP2's per-gather state of the parameter (:class:`GatherState`).
-        layout: ``(mesh, placements)`` of the parameter's DTensor, bound by the first caller that
-            sees it as one (``groups.bind_layout_``: the optimizer, ``finish_init_``, a
+        layout: the :class:`~dtensor_fp8.layout.Layout` (mesh, placements, global shape) of the
+            parameter's DTensor, bound by the first caller that sees it as one (``groups.bind_layout_``: the optimizer, ``finish_init_``, a
             requantization); the process groups its scaling decisions reduce over derive from it
             (``groups.py``). ``None`` for a weight that is not (yet) a DTensor.
 
@@ -221,7 +223,7 @@ class FP8ParamState:
     weight_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     operand_scaling: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     gather: GatherState = field(default_factory=GatherState)
-    layout: tuple | None = None
+    layout: Layout | None = None
     #: a weak reference to the optimizer's master of this weight (``link_master_``); writes
     #: update it (see ``param_writes.py``), ``to_empty`` is refused while it lives
     master: "weakref.ref | None" = None
@@ -285,6 +287,25 @@ class FP8ParamState:
             if _same(refs, tensors):
                 return source()
         return None
+
+    def current_layout(self):
+        """The :class:`~dtensor_fp8.layout.Layout` of this weight's DTensor, or ``None``: the bound
+        one, bound again from the parameter at :attr:`home` when that is a DTensor over this record
+        laid out otherwise (first bound, or ``fully_shard`` after ``parallelize_module``), so a local
+        shard alone knows its final layout (a ``copy_`` right after ``fully_shard``, a shard FSDP2 cut
+        with ``new_zeros`` + ``copy_`` placed at its first read).
+
+        Example:
+            >>> q.param_state.current_layout().placements   # after fully_shard
+            (Shard(dim=0),)
+        """
+        home = self.home_parameter()
+        local = getattr(home, "_local_tensor", None)
+        if local is not None and getattr(local, "param_state", None) is self:
+            layout = self.layout
+            if layout is None or layout.mesh is not home.device_mesh or layout.placements != tuple(home.placements):
+                self.layout = Layout(home.device_mesh, tuple(home.placements), tuple(home.shape))
+        return self.layout
 
     def home_parameter(self) -> torch.Tensor | None:
         """The parameter at :attr:`home` now (after ``fully_shard``: the DTensor), or ``None``."""

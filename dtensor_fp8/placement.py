@@ -25,19 +25,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from . import _compat
 from .formats.base import USAGES, Recipe, RecipeError
+from .layout import shard_dim  # noqa: F401  (re-exported: placement.shard_dim)
 from .ops.slicing import check_shardable, chunk_of  # noqa: F401  (check_shardable: public here)
 from .quantize import quantize
 from .tensor import QuantizedTensor
-
-
-def shard_dim(placement: Placement) -> int | None:
-    """The tensor dim a placement shards: ``Shard(d)`` and FSDP's ``_StridedShard(d)`` on a
-    (dp, tp) mesh (whose ``is_shard()`` is False in torch 2.13); ``None`` otherwise."""
-    if isinstance(placement, (Shard, _compat.strided_shard_class())) or placement.is_shard():
-        return placement.dim
-    return None
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

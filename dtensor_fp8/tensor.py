@@ -27,6 +27,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
+from .layout import dim_pieces
 from .op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS
 from .param_state import FP8ParamState
 
@@ -195,12 +196,10 @@ class QuantizedTensor(torch.Tensor):
     def _place(self) -> bool:
         """Place an unplaced tensor (see the note above) from its owner's layout; ``False`` when no
         layout is known yet (FSDP2 is still building the parameter)."""
-        from . import groups  # the layout lives above the tensor
-
-        layout = groups.layout_of(self)
+        layout = self._param_state.current_layout()
         if layout is None:
             return False
-        pieces = [groups.dim_pieces(layout, d)[0] for d in (0, 1)]
+        pieces = [dim_pieces(layout, d)[0] for d in (0, 1)]
         if pieces[0][1] - pieces[0][0] > self.shape[0]:
             # the layout of a parameter FSDP2 is still sharding (a TP shard's, before fully_shard made
             # its own): this tensor is a piece of that parameter's shard, not yet placed by it

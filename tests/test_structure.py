@@ -28,7 +28,7 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 #: Layers, lowest first: a module imports only modules of its own layer or below (and the cycle
 #: test keeps each layer acyclic). ``te`` plugs in from the top: nothing below imports it.
 LAYERS = [
-    ("recipes", ["settings", "_compat", "formats", "formats.*"]),
+    ("recipes", ["settings", "_compat", "layout", "formats", "formats.*"]),
     ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm",
                      "requantize", "param_writes"]),
