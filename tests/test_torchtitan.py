@@ -273,11 +273,22 @@ def test_fsdp_two_ranks_every_recipe_trains_like_bf16(pools):
 
 
 @pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+def test_fsdp_four_ranks_every_recipe_trains_like_bf16(pools):
+    """4 ranks, FSDP2: the debug model's 768-row MLP weights shard into 192-row pieces, which split
+    128-row blocks (refused before shards could split blocks): every recipe trains within 1 % of the
+    run without FP8."""
+    out = pools[4].run(_train_side_by_side, RECIPES_2, 1, "spmd_types")
+    assert all(o == out[0] for o in out)
+    _check_side_by_side(out[0], RECIPES_2)
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
 @pytest.mark.parametrize("backend", ["spmd_types", "partial_dtensor"])
 def test_fsdp_x_tp_four_ranks_trains_like_bf16(pools, backend):
     """4 ranks, FSDP2 x TP (2 x 2): torchtitan's TP (spmd_types' local shards, or DTensor's) cuts
-    each FP8 weight at block boundaries, FSDP shards it again; losses within 1 % of bf16."""
-    recipes = ["mxfp8", "current"]
+    each FP8 weight at block boundaries, FSDP shards it again (splitting 128-row blocks: the 768-row MLP
+    weights' 384-row TP shards into 192 rows); losses within 1 % of bf16."""
+    recipes = ["mxfp8", "current", "blockwise2d"]
     out = pools[4].run(_train_side_by_side, recipes, 2, backend)
     assert all(o == out[0] for o in out)
     _check_side_by_side(out[0], recipes)
