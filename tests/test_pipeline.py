@@ -117,13 +117,16 @@ LAYOUTS = {
     "pp_fsdp_reshard": Layout(2, 2, 1, (2, 2), reshard=True),
     "pp_fsdp_unequal": Layout(2, 2, 1, (3, 1), reshard=True),
     "pp_fsdp_tp": _tp_layout(),
+    # 160-row weights over dp=2: 80-row shards split 128-row blocks and MXFP8's 32-row column blocks
+    "pp_fsdp_split": Layout(2, 2, 1, (2, 2), reshard=True, dim=160),
 }
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 #: (layout, schedule) pairs run: every schedule where the stages are equal, GPipe for unequal stages (what
 #: differs there is which weights each stage's scaling collectives carry, not the order of micro-batches),
 #: interleaved (two one-block stages per rank) without TP
 CASES = [(layout, schedule) for layout in LAYOUTS for schedule in SCHEDULES
-         if (layout != "pp_fsdp_unequal" or schedule == "gpipe") and (layout != "pp_fsdp_tp" or schedule != "interleaved")]
+         if (layout != "pp_fsdp_unequal" or schedule == "gpipe") and (layout != "pp_fsdp_tp" or schedule != "interleaved")
+         and (layout != "pp_fsdp_split" or schedule == "1f1b")]
 
 
 def _layout(name: str, schedule: str) -> Layout:
