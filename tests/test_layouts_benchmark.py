@@ -42,4 +42,4 @@ def test_every_fsdp_degree_is_accepted_on_llama3_shapes():
             assert r["accepted"], r
     # TP shards compute on their rows: a 64-row TP shard of a 128-row block is refused, named
     refused = [r for r in rows if r["recipe"] == "blockwise2d" and r["tp"] == 16]
-    assert refused and all(not r["accepted"] and "wk" in r["refused"] for r in refused)
+    assert refused and all(not r["accepted"] and "wk" in r["refused"] and "blockwise2d" in r["why"] for r in refused)

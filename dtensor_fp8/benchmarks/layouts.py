@@ -111,7 +111,8 @@ def layout_rows(models, recipes, max_ranks: int) -> list[dict]:
                 for fsdp in [f for f in sizes if f * tp <= max_ranks]:
                     refusals = {n: r for n, (shape, style) in weights.items() if (r := _refusal(recipe, shape, style, tp))}
                     row = {"model": model, "recipe": recipe_name, "fsdp": fsdp, "tp": tp, "ranks": fsdp * tp,
-                           "accepted": not refusals, "refused": refusals}
+                           "accepted": not refusals, "refused": sorted(refusals),
+                           "why": next(iter(refusals.values()), None)}
                     if not refusals and fsdp > 1:
                         numel = plain = ac = extra = 0
                         for shape, style in weights.values():
@@ -179,6 +180,6 @@ def main(argv: list[str]) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "layouts.json")
     with open(path, "w") as f:
-        json.dump({"max_ranks": args.max_ranks, "rows": rows}, f, indent=1)
+        json.dump({"max_ranks": args.max_ranks, "rows": rows}, f, separators=(",", ":"))
     print(f"\nwrote {path}")
     return 0
