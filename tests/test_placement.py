@@ -150,6 +150,8 @@ def _split_dim1_refused(recipe_name, shape):
 @pytest.mark.parametrize("recipe_name", ["mxfp8", "blockwise1d", "blockwise2d"])
 def test_dim1_shards_inside_blocks_raise_at_construction(pools, recipe_name):
     world = WORLD_SIZES[0]
+    if world == 1:
+        pytest.skip("one rank holds every column")
     shape = (256, 96) if recipe_name == "mxfp8" else (256, 384)  # dim-1 chunks of 48 / 24 or 192 / 96 columns
     msgs = pools[world].run(_split_dim1_refused, recipe_name, shape)
     assert RECIPES[recipe_name].name in msgs[0]
