@@ -322,3 +322,52 @@ def test_tp_x_fsdp2_with_split_blocks_matches_one_process(pools, recipe_name):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=1e-5)
     for name, ref in ref_masters.items():
         torch.testing.assert_close(masters[name], ref, rtol=0, atol=5e-3, msg=name)
+
+
+# ---- resume ---------------------------------------------------------------------------------------------
+def _resume_run(recipe_name, root, save_at, total, resume):
+    """``total`` AdamW steps of the split-block model (96-row shards of 128-row blocks at 4 ranks),
+    checkpointed at ``save_at`` (model, optimizer, masters through torch's get_state_dict); with
+    ``resume`` a fresh model loads that checkpoint and runs the rest. Losses after ``save_at`` and
+    every plane and master at the end."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _ckpt_model(recipe_name, 7 if resume else 0, "fsdp")
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+    def steps(first, last):
+        losses = []
+        for step in range(first, last):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8 * torch.distributed.get_world_size(), CKPT_COLS, generator=g).to(DEVICE)
+            loss = model(x.chunk(torch.distributed.get_world_size())[torch.distributed.get_rank()]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    if resume:
+        state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+        d.load_checkpoint(state, d.latest_checkpoint(root))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        steps(0, save_at)
+        d.save_checkpoint(dict(zip(("model", "optim"), get_state_dict(model, opt))), root, save_at)
+    losses = steps(save_at, total)
+    out = _full_planes(model)
+    out.update({f"{n}/master": (m.full_tensor().detach().cpu().clone(),) for n, m in opt.masters.items()})
+    return losses, out
+
+
+@pytest.mark.parametrize("recipe_name", BLOCK_RECIPES)
+def test_resume_where_shards_split_blocks_is_bit_exact(pools, tmp_path, recipe_name):
+    root = str(tmp_path / "ckpt")
+    world = _ranks(4)
+    losses, final = pools[world].run(_resume_run, recipe_name, root, 3, 6, False)[0]
+    resumed_losses, resumed = pools[world].run(_resume_run, recipe_name, root, 3, 6, True)[0]
+    assert resumed_losses == losses
+    assert resumed.keys() == final.keys()
+    for key, tensors in final.items():
+        for a, b in zip(tensors, resumed[key], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
