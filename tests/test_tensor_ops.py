@@ -127,10 +127,27 @@ def test_split_chunk_slice_at_block_boundaries(name):
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "block1d", "block2d"])
-def test_boundary_inside_a_block_raises(name):
+def test_dim0_pieces_inside_blocks_keep_every_touched_block(name):
+    """Rows cut inside a block (a shard of FSDP2 at any degree): each piece holds the scale of every
+    block it touches and its block phase; the pieces dequantize and concatenate to the whole, byte
+    for byte (a shared block's scale kept once)."""
     _, q = make(name)
-    blocks = {str(q.recipe.block_shape(u)) for u, b in DIM0_BLOCK[name].items() if b and b > 1}
-    for bad in (lambda: q[40:], lambda: torch.split(q, 40), lambda: q.narrow(0, 40, 64)):
+    for pieces in ([q[:40], q[40:]], list(torch.split(q, 40)), [q.narrow(0, 0, 40), q.narrow(0, 40, 216)]):
+        assert pieces[1].phase[0] == 40 % q.recipe.phase_period(0)
+        whole = torch.cat(pieces)
+        for usage, plane in q.planes.items():
+            assert torch.equal(whole.planes[usage].data.view(torch.uint8), plane.data.view(torch.uint8))
+            assert torch.equal(whole.planes[usage].scale_inv.view(torch.uint8), plane.scale_inv.view(torch.uint8))
+        for usage in q.usages:
+            assert torch.equal(torch.cat([p.dequantize(torch.float32, usage) for p in pieces]),
+                               q.dequantize(torch.float32, usage))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "block1d", "block2d"])
+def test_dim1_boundary_inside_a_block_raises(name):
+    _, q = make(name)
+    blocks = {str(q.recipe.block_shape(u)) for u in q.planes}
+    for bad in (lambda: q[:, 40:], lambda: torch.split(q, 40, dim=1), lambda: q.narrow(1, 40, 64)):
         with pytest.raises(d.RecipeError) as e:
             bad()
         msg = str(e.value)
