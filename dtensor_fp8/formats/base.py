@@ -139,12 +139,22 @@ class Recipe(abc.ABC):
         return self.block_shape(usage).extent(dim) is None
 
     # ---- quantize / dequantize -----------------------------------------------------------------
-    def block_amax(self, hp: torch.Tensor, usage: str) -> torch.Tensor:
-        """Per-block max of ``|hp|`` (fp32), NaN ignored as TE's ``fmaxf`` reduction does."""
-        # |x| and max are exact in the input dtype; NaN -> 0 (Inf kept) in the same pass.
-        x = torch.nan_to_num(hp.abs(), nan=0.0, posinf=float("inf"))
-        blocks, _ = _to_blocks(x, self.block_shape(usage))
-        return blocks.amax(dim=(1, 3)).float()
+    def block_amax(self, hp: torch.Tensor, usage: str, *, magnitudes: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-block max of ``|hp|`` (fp32), NaN ignored as TE's ``fmaxf`` reduction does.
+
+        Args:
+            hp: 2-D high-precision values.
+            usage: the plane whose blocks are meant.
+            magnitudes: ``hp.abs()``, when the caller has it (both planes of one tensor share it).
+        """
+        # |x| and max are exact in the input dtype. A block holding a NaN has a NaN max: only then is
+        # the pass that turns NaN into 0 (Inf kept) paid, for the whole tensor.
+        x = hp.abs() if magnitudes is None else magnitudes
+        block = self.block_shape(usage)
+        amax = _to_blocks(x, block)[0].amax(dim=(1, 3))
+        if bool(amax.isnan().any()):
+            amax = _to_blocks(torch.nan_to_num(x, nan=0.0, posinf=float("inf")), block)[0].amax(dim=(1, 3))
+        return amax.float()
 
     def block_amaxes(self, usage: str, hps) -> list[torch.Tensor]:
         """:meth:`block_amax` of several tensors (an optimizer step's batch); per-tensor recipes
@@ -171,7 +181,7 @@ class Recipe(abc.ABC):
         # bits set are NaNs (E4M3: S.1111.111; E5M2: S.11111.11, Inf being clamped away), so fix
         # them on the bytes, a quarter of the fp32 traffic.
         raw = out.view(torch.uint8)
-        raw.masked_fill_(raw.bitwise_and(0x7F) == 0x7F, 0x7F)
+        raw.masked_fill_(raw == 0xFF, 0x7F)  # the other NaN code, 0x7F, is already canonical
         return out
 
     def decode(self, data: torch.Tensor, scale_inv: torch.Tensor, usage: str, dtype: torch.dtype) -> torch.Tensor:
@@ -275,7 +285,13 @@ class Recipe(abc.ABC):
         Example:
             >>> planes = MXFP8().quantize_planes(w, ("rowwise", "columnwise"))
         """
-        return {u: self.quantize_plane(hp, u, scale=scale) for u in usages}
+        from .triton_kernels import fast_path  # formats/ modules import the kernels lazily
+
+        if scale is not None or len(usages) < 2 or fast_path(self, hp) is not None:
+            return {u: self.quantize_plane(hp, u, scale=scale) for u in usages}
+        # The reference: two planes from one |hp| (its costliest pass after the cast).
+        magnitudes = hp.abs()
+        return {u: self.quantize_plane(hp, u, amax=self.block_amax(hp, u, magnitudes=magnitudes)) for u in usages}
 
     def initial_scaling_state(self, current: Plane):
         """Per-weight scaling state kept across requantizations (delayed scaling's amax history);
