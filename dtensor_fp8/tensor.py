@@ -186,6 +186,12 @@ class QuantizedTensor(torch.Tensor):
                 "before fully_shard, so the shard knows where its blocks start.")
         return self._phase
 
+    @property
+    def placed(self) -> bool:
+        """Whether this tensor knows its block phase (``False`` for a shard FSDP2 cut that no read
+        has placed yet: see the note below)."""
+        return self._phase is not None or self._place()
+
     # [Note: a shard placed after it is cut]
     # FSDP2 makes a rank's shard with ``full.new_zeros(padded_shard_size)`` and copies the chunk of
     # the full weight in: ``new_zeros`` cannot know which chunk will come, so where the shard starts

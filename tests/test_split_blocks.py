@@ -132,6 +132,26 @@ def _mesh(kind):
     return init_device_mesh(DEVICE, (world,))
 
 
+def _sgd_losses(model, opt, dim, shares, share, group):
+    """STEPS optimizer steps on the same global batches, this rank taking share ``share`` of
+    ``shares``; the mean loss over ``group`` (``None``: this process alone) after each."""
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH * 2, dim, generator=g).to(DEVICE).chunk(shares)[share]
+        target = torch.randn(BATCH * 2, dim, generator=g).to(DEVICE).chunk(shares)[share]
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if group is not None:
+            torch.distributed.all_reduce(total, group=group)
+            total /= shares
+        losses.append(total.item())
+    return losses
+
+
 def _train(recipe_name, kind):
     """STEPS of SGD on a two-layer model whose shards split blocks (HIDDEN / world and DIM / world
     rows), against the one-process run; returns losses, masters and each weight's gathered planes
@@ -147,22 +167,7 @@ def _train(recipe_name, kind):
         fully_shard(model, mesh=mesh)
     opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
     rank = torch.distributed.get_rank() if sharded else 0
-    losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(BATCH * 2, DIM, generator=g).to(DEVICE)
-        target = torch.randn(BATCH * 2, DIM, generator=g).to(DEVICE)
-        if sharded:
-            x, target = x.chunk(world)[rank % world], target.chunk(world)[rank % world]
-        loss = (model(x) - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if sharded:
-            torch.distributed.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+    losses = _sgd_losses(model, opt, DIM, world, rank % world, None if not sharded else torch.distributed.group.WORLD)
     masters = {n: (m.full_tensor() if sharded else m).detach().cpu() for n, m in opt.masters.items()}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor) or isinstance(p, d.QuantizedTensor):
@@ -280,23 +285,9 @@ def _train_tp(recipe_name, kind):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.05, momentum=0.9)
-    dp_rank = torch.distributed.get_rank() // 2 if sharded else 0
-    losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(BATCH * 2, TP_DIM, generator=g).to(DEVICE)
-        target = torch.randn(BATCH * 2, TP_DIM, generator=g).to(DEVICE)
-        if sharded:  # the dp ranks split the batch; the tp ranks of a dp rank see the same rows
-            x, target = x.chunk(2)[dp_rank], target.chunk(2)[dp_rank]
-        loss = (model(x) - target).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        if sharded:
-            torch.distributed.all_reduce(total, group=mesh["dp"].get_group())
-            total /= 2
-        losses.append(total.item())
+    # the dp ranks split the batch; the tp ranks of a dp rank see the same rows
+    losses = (_sgd_losses(model, opt, TP_DIM, 2, torch.distributed.get_rank() // 2, mesh["dp"].get_group()) if sharded
+              else _sgd_losses(model, opt, TP_DIM, 1, 0, None))
     masters = {n: (m.full_tensor() if sharded else m).detach().cpu() for n, m in opt.masters.items()}
     # The whole weights through torch's full state dict (DTensor's full_tensor() of a weight whose dp
     # shards split blocks while tp shards dim 1 is refused: docs/README.md, Limitations).

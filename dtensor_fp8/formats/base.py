@@ -151,8 +151,10 @@ class Recipe(abc.ABC):
         # the pass that turns NaN into 0 (Inf kept) paid, for the whole tensor.
         x = hp.abs() if magnitudes is None else magnitudes
         block = self.block_shape(usage)
+        if torch.compiler.is_compiling():  # no data-dependent branch in a graph; inductor fuses the pass
+            x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"))
         amax = _to_blocks(x, block)[0].amax(dim=(1, 3))
-        if bool(amax.isnan().any()):
+        if not torch.compiler.is_compiling() and bool(amax.isnan().any()):
             amax = _to_blocks(torch.nan_to_num(x, nan=0.0, posinf=float("inf")), block)[0].amax(dim=(1, 3))
         return amax.float()
 

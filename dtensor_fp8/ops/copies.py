@@ -178,7 +178,7 @@ def _copy_(func, args, kwargs):
             )
         plane.data.copy_(src_planes[usage].data)
         scale = src_planes[usage].scale_inv
-        if dst._phase is None and plane.scale_inv.shape[0] > scale.shape[0]:
+        if not dst.placed and plane.scale_inv.shape[0] > scale.shape[0]:
             # An unplaced destination (FSDP2's padded shard) has room for any phase's scale rows: the
             # source's go first, which is where placing it keeps them (tensor.py's note).
             plane.scale_inv.zero_()

@@ -99,7 +99,7 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     start, end = max(0, min(start, size)), max(0, min(end, size))
     end = max(start, end)
     planes = q.planes  # places an unplaced tensor where its owner knows where it lies
-    if q._phase is None:  # FSDP2 still building the parameter: its leading rows keep every scale row
+    if not q.placed:  # FSDP2 still building the parameter: its leading rows keep every scale row
         if dim != 0 or start != 0:
             raise RecipeError(
                 f"{q.recipe.name}: slicing [{start}:{end}] of dim {dim} of an FP8 shard of shape {tuple(q.shape)} whose "
