@@ -148,6 +148,11 @@ def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usa
     stored = q.recipe.stored_usages(ROWWISE in usages, COLUMNWISE in usages)
     padded_rows = -(-outer_size[0] // world)
     rank = dist.get_rank(process_group) if world > 1 else 0
+    if not q.placed:
+        # A shard FSDP2 cut whose owner cannot find its DTensor (a module torchtitan's pipeline split
+        # copied): FSDP2's shard ``rank`` starts ``rank * padded_rows`` into the tensor it sharded,
+        # which starts at a block boundary (a TP shard holds whole blocks).
+        q.place_((rank * padded_rows, 0))
     # The gathered weight's block phase: rank 0's shard's (every shard starts padded_rows after the last).
     phase = (q.phase[0] - rank * padded_rows, q.phase[1])
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
