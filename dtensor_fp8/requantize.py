@@ -62,6 +62,17 @@ class SplitBlocks(NamedTuple):
     total: int  # blocks of the whole dim 0
     groups: tuple
 
+    def whole(self, rows: torch.Tensor) -> torch.Tensor:
+        """The whole dim-0 grid with this shard's ``rows`` (of the blocks it touches) in place,
+        zeros elsewhere: what a MAX reduction over :attr:`groups` completes."""
+        out = rows.new_zeros((self.total, *rows.shape[1:]))
+        out[self.first : self.first + rows.shape[0]] = rows
+        return out
+
+    def touched(self, whole: torch.Tensor, rows: int) -> torch.Tensor:
+        """The ``rows`` grid rows of the blocks this shard touches, out of ``whole``."""
+        return whole[self.first : self.first + rows]
+
 
 @functools.lru_cache(maxsize=4096)
 def _split_start(layout: groups.Layout, block: int) -> int | None:
@@ -130,18 +141,14 @@ class AmaxReduction:
                 out[i] = amax
         for i, split in self.split.items():
             q, usage = self.jobs[i]
-            local = q.recipe.block_amax_at(hps[i].reshape(q.planes[usage].data.shape), usage, q.phase)
-            whole = local.new_zeros((split.total, local.shape[1]))
-            whole[split.first : split.first + local.shape[0]] = local
-            out[i] = whole
+            out[i] = split.whole(q.recipe.block_amax_at(hps[i].reshape(q.planes[usage].data.shape), usage, q.phase))
         if self.reduces:
             order = list(self.reduce_over)
             reduced = groups.max_by_groups_([out[i] for i in order], [self.reduce_over[i] for i in order])
             for i, amax in zip(order, reduced, strict=True):
                 out[i] = amax
         for i, split in self.split.items():  # back to the blocks this shard touches
-            rows = self.jobs[i][0].planes[self.jobs[i][1]].scale_inv.shape[0]
-            out[i] = out[i][split.first : split.first + rows]
+            out[i] = split.touched(out[i], self.jobs[i][0].planes[self.jobs[i][1]].scale_inv.shape[0])
         return out
 
 

@@ -176,7 +176,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         if split is not None and isinstance(entry[f"{usage}_scale_inv"], DTensor):
             scale = _touched_rows(entry[f"{usage}_scale_inv"], split, plane.scale_inv.shape[0])
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
-            scale = scale[split.first : split.first + plane.scale_inv.shape[0]]  # a plain tensor of the whole grid
+            scale = split.touched(scale, plane.scale_inv.shape[0])  # a plain tensor of the whole grid
         want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
@@ -214,16 +214,14 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
     """The whole dim-0 block grid of a weight from each rank's touched rows ``scale``."""
     rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
-    whole = rows.new_zeros((split.total, *rows.shape[1:]))
-    whole[split.first : split.first + rows.shape[0]] = rows
-    whole = groups.max_over_(whole, split.groups)
+    whole = groups.max_over_(split.whole(rows), split.groups)
     return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
 
 
 def _touched_rows(saved, split, rows: int) -> torch.Tensor:
     """The scale rows of the blocks this rank's shard touches, from a loaded grid DTensor ``saved``
     (whole along dim 0: see the note)."""
-    return saved.to_local()[split.first : split.first + rows]
+    return split.touched(saved.to_local(), rows)
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
