@@ -328,7 +328,7 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
                                shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
                                view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
                                fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group, phase=plan.phase,
-                               scale_sources=plan.scale_sources, side_inputs=side_inputs)
+                               scale_routes=plan.scale_routes, side_inputs=side_inputs)
     if plan.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first input of a one-rank "gather"
         packed, layout = pack(inputs)
         return (packed,), dataclasses.replace(metadata, packed_layout=layout)
@@ -399,7 +399,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
     full_rows = padded_rows * world
     planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
                                  padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live),
-                                 metadata.phase, metadata.scale_sources)
+                                 metadata.scale_routes)
     if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
         result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
                                metadata.orig_rows)

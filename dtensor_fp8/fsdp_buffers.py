@@ -15,12 +15,11 @@ sizes its all-gather outputs once: see the note in ``fsdp.py``).
 FSDP2 cuts dim 0 by torch's chunk rule, whatever the blocks: a shard may start inside a block (its
 block phase, see ``formats/base.py``) and then holds the scale of every block it touches, a block
 shared with its neighbour included (both hold the same scale: the amax is reduced over the ranks
-sharing the block, ``requantize.py``). The gather sends each rank's touched scale rows in its slot
-and keeps, for every block of the full grid, the row of the rank holding the block's first row
-(:func:`~dtensor_fp8.ops.slicing.scale_rows_of_pieces`, computed once per plan): the gathered
-scales are TE's grid of the whole weight, a copy of one scale row per block (the FP8 data stays a
-view of FSDP2's buffer). A shared block's scale crosses the wire once per rank holding it: at most
-one extra scale row per rank and plane. Whole-block shards keep the plain concatenation (a view).
+sharing the block, ``requantize.py``). What each rank sends of its scales in its slot, and how the
+slots become TE's grid of the whole weight, is the plane's route (``scale_slots.py``: where shards
+split blocks evenly, each rank sends a stripe of the full grid, so every scale crosses the wire
+once). The FP8 data stays a view of FSDP2's buffer; the gathered scale grid is a copy where shards
+split blocks and a view where they hold whole blocks.
 """
 
 from __future__ import annotations
@@ -33,28 +32,10 @@ import torch
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
 import torch.distributed as dist
 
-from .ops.slicing import max_piece_grid_rows, scale_rows_of_pieces
+from .scale_slots import ScaleRoute, scale_route, scale_slot_numel
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 aten = torch.ops.aten
-
-
-def scale_slot_numel(recipe, rows: int, cols: int, world: int, phase: tuple[int, int] = (0, 0)) -> int:
-    """Numel of every scale input of an FSDP2 gather of ``rows``-row shards of a ``cols``-column
-    weight over ``world`` ranks (the first shard at block ``phase``): the largest local scale grid
-    over both usages and every rank's shard, so forward and backward gathers hand FSDP equal numels
-    on every rank (see the note in ``fsdp.py``).
-
-    Example:
-        >>> scale_slot_numel(MXFP8(), 64, 4096, 8)   # the rowwise grid (64, 128) is the larger
-        8192
-    """
-    out = 0
-    for u in (ROWWISE, COLUMNWISE):
-        block = recipe.block_shape(u)
-        grid_cols = block.grid((rows, cols), phase)[1]
-        out = max(out, max_piece_grid_rows(block, world, rows, cols, phase) * grid_cols)
-    return out
 
 
 def _gathers_scale(q: QuantizedTensor, usage: str) -> bool:
@@ -95,7 +76,7 @@ class GatherMetadata:
     shard_view: bool = False  # one rank: nothing sent, the unsharded parameter views the shard
     process_group: object = None  # the group FSDP2 gathers over (several ranks): a completion gathers there
     phase: tuple = (0, 0)  # block phase of the gathered weight (of rank 0's shard; see the note at the top)
-    scale_sources: dict | None = None  # plane -> GatherPlan.scale_sources' index, where shards split blocks
+    scale_routes: dict | None = None  # sent plane -> its scales' ScaleRoute (GatherPlan.scale_routes)
     side_inputs: tuple = ()  # uneven shards: the scale inputs, gathered beside FSDP2's all-gather (see the note)
 
 
@@ -117,9 +98,8 @@ class GatherPlan:
     #: uneven shards with block scales: FSDP2 takes only inputs of the padded shard's shape from a short
     #: shard, so the scale inputs are all-gathered beside its all-gather (see the note on uneven shards)
     side_scales: bool = False
-    #: per sent plane whose shards split blocks: the full grid's rows in the ranks' slots (see the
-    #: note at the top), an index tensor on the shard's device
-    scale_sources: dict = dataclasses.field(default_factory=dict)
+    #: per sent plane: how its scales travel in the slot (``scale_slots.py``)
+    scale_routes: dict[str, ScaleRoute] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -156,11 +136,9 @@ def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usa
     # The gathered weight's block phase: rank 0's shard's (every shard starts padded_rows after the last).
     phase = (q.phase[0] - rank * padded_rows, q.phase[1])
     sent_scales = tuple(u for u in stored if world > 1 and _gathers_scale(q, u))
-    scale_sources = {}
-    for u in sent_scales:
-        sources = scale_rows_of_pieces(q.recipe.block_shape(u), world, padded_rows, outer_size[1], phase)
-        if sources is not None:
-            scale_sources[u] = torch.tensor(sources, dtype=torch.long, device=q.device)
+    even = outer_size[0] == world * padded_rows
+    scale_routes = {u: scale_route(q.recipe.block_shape(u), world, padded_rows, outer_size[1], phase, rank, even,
+                                   q.device) for u in sent_scales}
     # The unsharded view registered for the owning module (register_unsharded_view; TE modules via te.py).
     view = q.param_state.gather.unsharded_view
     planes = q.planes
@@ -168,9 +146,10 @@ def gather_plan(q: QuantizedTensor, outer_size: tuple[int, ...], world: int, usa
     # Same answer for both directions (FSDP sizes its all-gather outputs once per weight).
     shard_view = world == 1 and (view is None or view.views_shard(q))
     return GatherPlan(world=world, stored=stored, padded_rows=padded_rows, pad_rows=padded_rows - q.shape[0],
-                       sent_scales=sent_scales, scale_slot=scale_slot_numel(q.recipe, padded_rows, outer_size[1], world, phase), view=view,
+                       sent_scales=sent_scales, view=view,
+                       scale_slot=scale_slot_numel(q.recipe, padded_rows, outer_size[1], world, phase, even),
                        fp8_dtypes=fp8_dtypes, shard_view=shard_view, process_group=process_group,
-                       phase=(phase[0] % q.recipe.phase_period(0), phase[1]), scale_sources=scale_sources,
+                       phase=(phase[0] % q.recipe.phase_period(0), phase[1]), scale_routes=scale_routes,
                        side_scales=bool(sent_scales) and outer_size[0] % world != 0)
 
 
@@ -187,7 +166,7 @@ def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dic
         plane = local_planes[usage]
         inputs.append(plane.data.contiguous().view(torch.uint8))
         if usage in plan.sent_scales:
-            scale = one_byte_as_uint8(plane.scale_inv).reshape(-1)
+            scale = plan.scale_routes[usage].send(one_byte_as_uint8(plane.scale_inv))
             padded = scale.new_zeros(plan.scale_slot)
             padded[: scale.numel()] = scale
             inputs.append(padded)
@@ -198,33 +177,20 @@ def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dic
 
 
 def planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict, padded_rows: int, world: int,
-                         cols: int, scale_copy, phase=(0, 0), scale_sources=None) -> dict[str, Plane]:
+                         cols: int, scale_copy, scale_routes: dict) -> dict[str, Plane]:
     """The full (padded) planes over all-gather ``outputs`` of the inputs :func:`gather_inputs`
-    made for the planes ``stored``: views of the output buffers (block scales: the ranks' grids,
-    out of their slots, one row per block where shards split blocks: ``scale_sources``, from the
-    plan); per-tensor scales from ``scale_copy(usage, shard_scale)``. ``phase``: the gathered
-    weight's block phase."""
+    made for the planes ``stored``: views of the output buffers (block scales: the full grid out of
+    the ranks' slots, by each plane's route in ``scale_routes``, from the plan); per-tensor scales
+    from ``scale_copy(usage, shard_scale)``."""
     full_rows = padded_rows * world
     planes, i = {}, 0
     for usage, fp8_dtype in zip(stored, fp8_dtypes, strict=True):
         data = outputs[i].view(full_rows, cols).view(fp8_dtype)
         i += 1
         if usage not in shared_scales:
-            block = recipe.block_shape(usage)
             scale_dtype = recipe.scale_inv_dtype
-            raw = outputs[i].view(world, -1)
+            scale = scale_routes[usage].assemble(outputs[i], outputs[i].numel() // world)
             i += 1
-            sources = (scale_sources or {}).get(usage)
-            if sources is None:
-                # Each rank's slot holds its (gr, gc) grid first; concatenating the ranks' grids
-                # along dim 0 is the full grid because every shard is a whole number of blocks.
-                gr, gc = block.grid((padded_rows, cols), phase)
-                scale = raw[:, : gr * gc].reshape(world * gr, gc)
-            else:  # shards split blocks: one row per block, from the rank holding its first row
-                gc = block.grid((padded_rows, cols), phase)[1]
-                per_slot = max_piece_grid_rows(block, world, padded_rows, cols, phase)
-                rows = raw[:, : per_slot * gc].reshape(world * per_slot, gc)
-                scale = rows.index_select(0, sources.to(rows.device))
             scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
         else:
             scale = scale_copy(usage, shared_scales[usage])

@@ -111,5 +111,5 @@ class GatheredWeight:
             record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
         planes = planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
                                      m.padded_rows, m.world, m.cols, lambda u, live: live.clone(),
-                                     plan.phase, plan.scale_sources)
+                                     plan.scale_routes)
         return planes[stored]

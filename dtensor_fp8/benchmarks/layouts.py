@@ -8,7 +8,7 @@ projection row-parallel) and every recipe, every layout of ``fsdp x tp`` ranks (
 ``--max-ranks``) is checked with the library's own rules (``check_shardable`` for TP shards, which
 compute on their own rows and hold whole blocks; FSDP2 shards dim 0 anywhere, splitting blocks where
 its chunks do) and the FSDP2 all-gather bytes per parameter per step are computed from the gather
-plan's own sizes (``fsdp_buffers.scale_slot_numel``: FP8 data, plus each shard's scale slot where blocks
+plan's own sizes (``scale_slots.scale_slot_numel``: FP8 data, plus each shard's scale slot where blocks
 lie along dim 0), in the plain schedule and under activation checkpointing (MXFP8 and 1x128 gather a
 third plane there: the recompute's rowwise plane), against bf16 FSDP2's 4 bytes. Also the share of
 the scale bytes beyond one copy of TE's grid (each shard's scale slot holds the grid rows of every
@@ -84,7 +84,7 @@ def _gather_bytes(recipe, rows, cols, fsdp) -> dict[str, tuple[int, int]]:
     one copy of TE's grid of the whole weight)`` (every rank sends its padded shard and its scale
     slot: the grid rows it touches, padded to the most any rank touches over both planes)."""
     from ..formats.base import USAGES
-    from ..fsdp_buffers import scale_slot_numel
+    from ..scale_slots import scale_slot_numel
 
     padded = -(-rows // fsdp)
     out = {}
