@@ -39,7 +39,8 @@ The table goes to stdout, the JSON to ``--out/linear_step.json``. ``--profile`` 
 ``torch.profiler`` table of two more steps per variant (``--out/profile_<variant>.txt``, with the
 GPU time of kernels and copies per step in the JSON: a step longer than that waited for the
 host), ``--trace`` with it the Chrome trace (``gpu_gaps.py`` reads where the GPU
-waited), ``--host-profile N`` a cProfile table of N more steps (``host_profile.py``).
+waited), ``--host-profile N`` a cProfile table of N more steps (``host_profile.py``),
+``--memory-at-peak`` what is alive at one step's peak, by allocation site (``peak_memory.py``).
 """
 
 from __future__ import annotations
@@ -244,6 +245,10 @@ def _measure(row: dict, step, cfg, base_mem: int, losses: list) -> None:
     if cfg.host_profile:
         row["host_profile"] = host_profile(step, cfg.host_profile,
                                            os.path.join(cfg.out, f"host_profile_{row['variant']}.txt"))
+    if cfg.memory_at_peak and cuda:
+        from .peak_memory import memory_at_peak
+
+        row["memory_at_peak"] = memory_at_peak(step, os.path.join(cfg.out, f"peak_memory_{row['variant']}.txt"))
 
 
 def scaled_gemms_in(step, losses: list) -> int:
@@ -415,6 +420,8 @@ def _parse(argv):
     p.add_argument("--compile", action="store_true", help="also run the *_compiled row of every variant given "
                    "(blocks torch.compile'd)")
     add_profiling_args(p, "<variant>")
+    p.add_argument("--memory-at-peak", action="store_true", help="CUDA: also record one step's allocations and write "
+                   "what is alive at its peak, by allocation site (--out/peak_memory_<variant>.txt, peak_memory.py)")
     p.add_argument("--predict-only", action="store_true", help="print the predicted GPU floor of each variant and exit")
     p.add_argument("--out", default="bench_out", help="directory for linear_step.json (default ./bench_out)")
     args = p.parse_args(argv)
