@@ -29,6 +29,7 @@ def _site(frames: list[dict]) -> str:
     def where(f):
         return f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
 
+    frames = [f for f in frames if f.get("filename") != __file__]  # not this module's own call of step()
     for needle in ("dtensor_fp8", "torch"):
         for f in frames:
             if needle in f.get("filename", ""):
