@@ -22,13 +22,11 @@ import json
 import torch
 
 from .base import Recipe, RecipeError
-from .blockwise import Blockwise
-from .mxfp8 import MXFP8
-from .per_tensor import CurrentScaling, DelayedScaling
+from .registry import RECIPE_CLASSES
 
 #: the config layout written now
 CONFIG_FORMAT = 1
-_CLASSES: dict[str, type] = {c.__name__: c for c in (DelayedScaling, CurrentScaling, MXFP8, Blockwise)}
+_CLASSES: dict[str, type] = {c.__name__: c for c in RECIPE_CLASSES}
 #: (recipe class name, field) -> the value a checkpoint written before the field existed implies.
 #: Add an entry whenever a field is added whose default differs from the behaviour before it.
 IMPLICIT_BEFORE_FIELD_EXISTED: dict[tuple[str, str], object] = {}
