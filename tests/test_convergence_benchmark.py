@@ -117,11 +117,15 @@ def test_from_json_rerenders_a_run_cut_short(report, tmp_path, capsys):
     --from-json recomputes the statistics from them and prints the tables and target."""
     partial = {"meta": report["meta"], "runs": [r for r in report["runs"] if r["seed"] < 2 or r["variant"] == "bf16"]}
     partial["runs"] = [r for r in partial["runs"] if not (r["variant"] == "delayed" and r["seed"] == 1)]
+    partial["runs"].append({"variant": "delayed", "kind": "fp8", "seed": 1, "status": "error",  # a run that raised
+                            "error": "RuntimeError: stand-in failure"})
     (tmp_path / "partial.json").write_text(json.dumps(partial))
     capsys.readouterr()
     assert convergence.main(["--from-json", str(tmp_path / "partial.json"), "--out", str(tmp_path / "plot")]) == 0
     out = capsys.readouterr().out
     assert "| bf16 | 3 |" in out and "| current | 2 |" in out and "| delayed | 1 |" in out
+    delayed_row = next(line for line in out.splitlines() if line.startswith("| delayed | 1 |"))
+    assert delayed_row.endswith("| FP8 weights 4; seed 1 error: RuntimeError: stand-in failure |"), delayed_row
     target = out.split("target:")[1]
     assert "(95 %, 2 seeds)" in target.split("current")[1].splitlines()[0]  # recomputed from what finished
     assert "UNRESOLVED" in target.split("delayed")[1].splitlines()[0] and "(one seed)" in target
@@ -157,3 +161,28 @@ def test_the_corpus_is_the_stdlib_split_by_file(tmp_path):
     real = load_stdlib_corpus()
     assert "os.py" in real.train_files + real.held_out_files
     assert not any(f.startswith(("site-packages/", "test/")) for f in real.train_files + real.held_out_files)
+
+
+def test_sigterm_keeps_the_finished_runs_and_ends_the_workers(tmp_path):
+    """The GPU script's time limit (``timeout`` sends SIGTERM): the benchmark stops its workers, keeps
+    the runs that finished in its JSON and prints their tables, within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    seeds = ",".join(str(s) for s in range(12))
+    proc = subprocess.Popen([sys.executable, "-m", "dtensor_fp8.benchmarks", "convergence", *ARGS, "--variants", "bf16",
+                             "--seeds", seeds, "--out", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    path, deadline = tmp_path / "convergence.json", time.monotonic() + 300
+    while not (path.is_file() and len(json.loads(path.read_text() or "{}").get("runs", [])) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 1, out
+    runs = json.loads(path.read_text())["runs"]
+    assert 2 <= len(runs) < 12 and all(r["status"] == "ok" for r in runs), out
+    assert f"stopped: {len(runs)} of 12 runs finished" in out and f"| bf16 | {len(runs)} |" in out

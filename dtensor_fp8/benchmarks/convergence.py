@@ -500,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> dict:  # after every run: a run cut short keeps the runs it finished
         report = render({"meta": {**meta, "wall_s": time.perf_counter() - t0},
                          "runs": [results[i] for i in sorted(results)]})
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)  # whole or not at all: the run may be stopped at any time
         return report
 
     def on_run(index: int, r: dict) -> None:

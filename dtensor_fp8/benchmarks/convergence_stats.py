@@ -111,7 +111,7 @@ def format_table(summary: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for name, row in summary["rows"].items():
         st, p = row["stats"], row.get("paired")
-        note = "; ".join([f"FP8 weights {row['notes']['fp8_weights']}"] if "fp8_weights" in row["notes"] else []
+        note = "; ".join(([f"FP8 weights {row['notes']['fp8_weights']}"] if "fp8_weights" in row["notes"] else [])
                          + ([f"torchao {row['notes']['torchao']}"] if "torchao" in row["notes"] else [])
                          + [f"seed {s} {why}" for s, why in row["not_ok"].items()])
         if st is None:
