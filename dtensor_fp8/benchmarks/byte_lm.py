@@ -47,15 +47,18 @@ def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryBlock(Block):
-    """:class:`Block` with RoPE on the queries and keys; ``forward(x, tables)``, ``x`` ``(seq, batch, hidden)``."""
+    """:class:`Block` with RoPE on the queries and keys; ``forward(x, tables)``, ``x`` ``(seq, batch,
+    hidden)``; ``tables=None``: no rotation (positions come from the input)."""
 
-    def forward(self, x, tables):
+    def forward(self, x, tables=None):
         sh = self.shape
         s, b, h = x.shape
         d, kv = sh.head_dim, sh.kv_heads * sh.head_dim
         q, k, v = self.qkv(self.ln1(x)).split([h, kv, kv], dim=-1)
-        q = apply_rotary(q.reshape(s, b, sh.heads, d).permute(1, 2, 0, 3), tables)
-        k = apply_rotary(k.reshape(s, b, sh.kv_heads, d).permute(1, 2, 0, 3), tables)
+        q = q.reshape(s, b, sh.heads, d).permute(1, 2, 0, 3)
+        k = k.reshape(s, b, sh.kv_heads, d).permute(1, 2, 0, 3)
+        if tables is not None:
+            q, k = apply_rotary(q, tables), apply_rotary(k, tables)
         v = v.reshape(s, b, sh.kv_heads, d).permute(1, 2, 0, 3)
         groups = sh.heads // sh.kv_heads
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # GQA: KV heads repeated (HF's repeat_kv)
@@ -70,13 +73,21 @@ class RotaryBlock(Block):
         return x + self.fc2(y)
 
 
+POSITIONS = ("rope", "learned")
+
+
 class ByteLM(nn.Module):
     """Byte embedding -> ``shape.layers`` x :class:`RotaryBlock` -> RMSNorm -> output head;
-    ``tokens (batch, seq) -> logits (batch, seq, 256)``, fp32 parameters."""
+    ``tokens (batch, seq) -> logits (batch, seq, 256)``, fp32 parameters. ``positions="learned"``:
+    the first version's learned absolute positions added to the embedding, no RoPE (to show the
+    plateau it had)."""
 
-    def __init__(self, shape: ModelShape, device="cpu"):
+    def __init__(self, shape: ModelShape, device="cpu", positions: str = "rope"):
         super().__init__()
+        if positions not in POSITIONS:
+            raise ValueError(f"ByteLM: positions must be one of {POSITIONS}, got {positions!r}")
         self.embed = nn.Embedding(VOCAB, shape.hidden, device=device)
+        self.pos = nn.Embedding(shape.seq, shape.hidden, device=device) if positions == "learned" else None
         self.layers = nn.ModuleList(RotaryBlock(shape, device, torch.float32) for _ in range(shape.layers))
         self.norm = nn.RMSNorm(shape.hidden, device=device)
         self.head = nn.Linear(shape.hidden, VOCAB, bias=False, device=device)
@@ -98,7 +109,11 @@ class ByteLM(nn.Module):
                     p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=g))
 
     def forward(self, tokens):
-        x = self.embed(tokens).transpose(0, 1)  # Block's layout: (seq, batch, hidden)
+        x = self.embed(tokens)
+        if self.pos is not None:
+            x = x + self.pos.weight[: tokens.shape[1]]
+        x = x.transpose(0, 1)  # Block's layout: (seq, batch, hidden)
+        tables = self.rope if self.pos is None else None
         for layer in self.layers:
-            x = layer(x, self.rope)
+            x = layer(x, tables)
         return self.head(self.norm(x.transpose(0, 1)))  # not a view: FSDP2's backward hook stays on it

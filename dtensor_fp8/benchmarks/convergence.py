@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from . import convergence_stats as stats
-from .byte_lm import ByteLM
+from .byte_lm import POSITIONS, ByteLM
 from .linear_step import scaled_gemms_in, shard_layers
 from .shapes import add_shape_arguments, peak_flops, shape_from_args
 from .text_corpus import load_stdlib_corpus
@@ -114,7 +114,7 @@ def parse_variant(name: str) -> Variant:
 
 # ---- one run ------------------------------------------------------------------------------------
 def _param_groups(model):
-    decayed = lambda n, p: p.dim() == 2 and not n.startswith("embed")  # noqa: E731
+    decayed = lambda n, p: p.dim() == 2 and not n.startswith(("embed", "pos"))  # noqa: E731
     return [{"params": [p for n, p in model.named_parameters() if decayed(n, p)], "weight_decay": 0.1},
             {"params": [p for n, p in model.named_parameters() if not decayed(n, p)], "weight_decay": 0.0}]
 
@@ -124,7 +124,7 @@ def build(v: Variant, seed: int, cfg, mesh):
     import dtensor_fp8 as d
 
     torch.manual_seed(seed)
-    model = ByteLM(cfg.model_shape)
+    model = ByteLM(cfg.model_shape, positions=cfg.positions)
     model.init_weights(seed)  # on the CPU: the same values on every device and in every row
     model = model.to(cfg.device)
     blocks = lambda m, fqn: fqn.startswith("layers.")  # noqa: E731  (embedding, norms, head stay high precision)
@@ -252,8 +252,7 @@ def load_data(cfg) -> dict:
     if held.numel() < seq + 1:
         raise SystemExit(f"the held-out files hold {held.numel()} bytes, fewer than one window of --seq {seq} + 1")
     starts = torch.linspace(0, held.numel() - seq - 1, cfg.eval_windows).long()
-    return {"train": corpus.train.to(cfg.device), "held_out": held[starts[:, None] + torch.arange(seq + 1)].to(cfg.device),
-            "describe": corpus.describe()}
+    return {"train": corpus.train.to(cfg.device), "held_out": held[starts[:, None] + torch.arange(seq + 1)].to(cfg.device)}
 
 
 @contextlib.contextmanager
@@ -418,6 +417,8 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--warmup", type=int, default=None, help="LR warm-up steps (default 10 %% of --steps, at least 1)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--positions", choices=POSITIONS, default="rope",
+                   help="rope (default) or learned: the first version's learned absolute positions, which stall")
     p.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (default steps/20)")
     p.add_argument("--eval-last", type=int, default=5, help="evaluations a run's held-out loss averages (default 5)")
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq bytes (default 64)")
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = args.model_shape
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     desc = load_stdlib_corpus(args.stdlib).describe()
-    params = sum(p.numel() for p in ByteLM(shape, "meta").parameters())
+    params = sum(p.numel() for p in ByteLM(shape, "meta", args.positions).parameters())
     step_flops = shape.flops_per_token * shape.tokens
     skipped = {v.name: "torchao does not import here" for v in args.variant_list
                if v.kind == "torchao" and importlib.util.find_spec("torchao") is None}
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {row}: skipped, {why}", flush=True)
     tasks = [(v, s) for s in args.seed_list for v in args.variant_list if v.name not in skipped]  # seed by seed
     print(f"# convergence: {params / 1e6:.1f} M params ({shape.describe()}), {args.steps} steps x {shape.tokens} bytes, "
-          f"lr {args.lr:g}; {len(args.variant_list)} rows x seeds {args.seed_list} = {len(tasks)} runs on {args.workers} "
+          f"lr {args.lr:g}, positions {args.positions}; {len(args.variant_list)} rows x seeds {args.seed_list} = {len(tasks)} runs on {args.workers} "
           f"workers x {args.threads} threads; {name}; torch {torch.__version__}", flush=True)
     print(f"# text: {desc['train_files']} train files ({desc['train_bytes'] / 1e6:.2f} MB), {desc['held_out_files']} held-out "
           f"({desc['held_out_bytes'] / 1e6:.2f} MB) from {desc['root']} (Python {desc['python']}); "
@@ -488,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "argv": sys.argv, "params": params, "flops_per_step": step_flops, "cpu_cores": os.cpu_count(),
             "config": {"shape": args.shape, **dataclasses.asdict(shape), "steps": args.steps, "warmup": args.warmup,
-                       "lr": args.lr, "seeds": args.seed_list, "variants": [v.name for v in args.variant_list],
+                       "lr": args.lr, "positions": args.positions, "seeds": args.seed_list, "variants": [v.name for v in args.variant_list],
                        "eval_every": args.eval_every, "eval_last": args.eval_last, "eval_windows": args.eval_windows,
                        "workers": args.workers, "threads": args.threads},
             "data": desc, "skipped_rows": skipped}
