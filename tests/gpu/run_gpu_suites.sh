@@ -99,7 +99,7 @@ fi
     status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
     echo "== convergence: $status"
     case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
-    grep -a -E '^# |^  [a-z0-9_]+ +seed |^stopped:' "$OUT/convergence.log" | cut -c1-240
+    grep -a -E '^# |^  [a-z0-9_]+ +seed |^stopped:|^wrote .*json after' "$OUT/convergence.log" | cut -c1-240
     sed -n '/^| row /,/^target:/{/^target:/!p}' "$OUT/convergence.log"   # the table and the per-seed table
     sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
   fi
