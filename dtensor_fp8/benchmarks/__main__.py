@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "linear_step": ("dtensor_fp8.benchmarks.linear_step", "plain-torch nn.Linear blocks under FSDP2: bf16 vs FP8 params with FP8 GEMMs, ms / peak GiB"),
     "te_step": ("dtensor_fp8.benchmarks.te_step", "TE TransformerLayer train step ms / peak GiB: bf16, TE FP8, ours under FSDP2"),
     "gpu_gaps": ("dtensor_fp8.benchmarks.gpu_gaps", "where the GPU waited for the host in a --profile --trace Chrome trace"),
-    "convergence": ("dtensor_fp8.benchmarks.convergence", "byte-level LM on the stdlib's sources: bf16 (2 seeds) vs FP8 recipes vs torchao loss curves"),
+    "convergence": ("dtensor_fp8.benchmarks.convergence", "byte-level LM on the stdlib's sources: FP8 recipes and torchao vs bf16, paired over seeds, to 1 %"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
     "torchtitan": ("dtensor_fp8.benchmarks.torchtitan", "torchtitan's Llama3 debug model: all-gather bytes / step and peak memory, bf16 vs torchao float8 vs ours"),
     "layouts": ("dtensor_fp8.benchmarks.layouts", "which (FSDP, TP) layouts each recipe accepts on Llama3 / DeepSeek-V3 / Qwen3 shapes, and B/param/step with and without AC"),

@@ -14,10 +14,14 @@ Presets (``--shape NAME``; ``--layers`` ... ``--no-bias`` then override single f
   layers leave room on one H200 for the largest variant (FP32 masters) — the peak memory column
   says how much.
 * ``toy``: the same structure (GQA, RMSNorm, SwiGLU) small enough for the CPU (the CPU suite runs it).
-* ``byte-lm``: the decoder stack of ``convergence``'s byte-level language model (100.7 M GEMM
-  weights: 4 layers, hidden 1536, SwiGLU ffn 4096, 12 heads of 128 / 4 KV heads, RMSNorm) at seq
-  512 x batch 16: 8192 tokens a step, so 1000 steps of every row fit in minutes on one H100.
+* ``byte-lm``: the decoder stack of the first ``convergence`` model (100.7 M GEMM weights: 4
+  layers, hidden 1536, SwiGLU ffn 4096, 12 heads of 128 / 4 KV heads, RMSNorm) at seq 512 x batch
+  16: 8192 tokens a step; the "102 M model" of the small-model tokens/s figures.
   Wide rather than deep: a step's host work (FSDP2's hooks, the FP8 casts) grows with the layers.
+* ``byte-lm-small``: ``convergence``'s model now (25.2 M GEMM weights: 4 layers, hidden 768,
+  SwiGLU ffn 2048, 6 heads of 128 / 2 KV heads, RMSNorm) at seq 256 x batch 32, 8192 tokens a
+  step: small enough that 6 rows x 3 seeds run side by side on one GPU in one call. Every GEMM
+  dimension is a multiple of 128, as the 128x128 and MXFP8 recipes' scaled GEMMs need.
 
 MFU follows torchtitan's convention (``get_num_flop_per_token``): ``6 * N + 12 * L * H * D * S``
 FLOPs per token, N the GEMM weights' parameter count, L layers, H query heads of D dims, S the
@@ -121,6 +125,8 @@ PRESETS = {
                       mlp="swiglu", norm="rmsnorm", bias=False),
     "byte-lm": ModelShape(layers=4, hidden=1536, ffn=4096, heads=12, kv_heads=4, seq=512, batch=16,
                           mlp="swiglu", norm="rmsnorm", bias=False),
+    "byte-lm-small": ModelShape(layers=4, hidden=768, ffn=2048, heads=6, kv_heads=2, seq=256, batch=32,
+                                mlp="swiglu", norm="rmsnorm", bias=False),
 }
 
 #: Dense bf16 peak FLOP/s by device-name fragment (vendor datasheets, SXM parts), for MFU.

@@ -14,15 +14,15 @@
 # benchmark's torchao row. Writes to $OUT (default ./gpu_out): <part>.log (and .xml for the test
 # parts: junit XML), convergence.{json,png}, summary.txt (the machine, each part's exit status and
 # time, failures, the convergence table and target; also printed last). A part past its limit gets
-# SIGTERM: pytest prints its summary of what ran (tests/rank_logs.py), the benchmark keeps the rows
-# it finished in its JSON, from which the table and plot are then made.
+# SIGTERM: pytest prints its summary of what ran (tests/rank_logs.py), the benchmark keeps the runs
+# it finished (queued seed by seed) in its JSON, from which the tables, target and plot are then made.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
 PARTS=${PARTS:-gpu_suite nccl_suite gloo_cuda convergence}
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 SUITE_S=${SUITE_S:-480}      # each test session
-BENCH_S=${BENCH_S:-500}      # the convergence benchmark
+BENCH_S=${BENCH_S:-480}      # the convergence benchmark
 # BENCH_ARGS: more convergence options, after the defaults (the last given wins), e.g. to check the
 # plumbing on a CPU: SUITE_S=30 BENCH_S=120 BENCH_ARGS="--device cpu --shape toy --steps 8" bash ...
 read -r -a BENCH_EXTRA <<< "${BENCH_ARGS:-}"
@@ -74,8 +74,11 @@ wants gloo_cuda && part gloo_cuda "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSO
   DTENSOR_FP8_TEST_WORLD_SIZES=2,4 "${PYTEST[@]}" -n 4 --dist loadfile --junitxml="$OUT/gloo_cuda.xml" \
   tests/test_pipeline.py tests/test_pipeline_checkpoint.py tests/test_schedules.py tests/test_owner_writes.py \
   tests/test_split_blocks.py tests/test_layouts_benchmark.py &
-wants convergence && part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence --steps 1000 --seq 512 --batch 16 \
-  --variants bf16,bf16_seed1,current,delayed,blockwise2d,torchao_compiled --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} &
+# The benchmark's defaults are the GPU run (6 rows x seeds 0,1,2 on 6 worker processes sharing the GPU and the cores):
+# run it alone (PARTS=convergence) for its figures; beside the test parts it competes with them for the cores.
+wants convergence && part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence \
+  --variants bf16,current,delayed,blockwise2d,mxfp8_emulated,torchao_compiled --seeds 0,1,2 --out "$OUT" \
+  ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} &
 wait
 
 if wants convergence && ! grep -q "^target:" "$OUT/convergence.log" && [ -f "$OUT/convergence.json" ]; then  # cut short: its finished rows
@@ -96,8 +99,8 @@ fi
     status=$(grep -a '^exit [0-9]* after' "$OUT/convergence.log" | tail -1)
     echo "== convergence: $status"
     case $status in "exit 124 "* | "exit 137 "*) echo "   cut short by its limit (${BENCH_S} s): the rows it finished";; esac
-    grep -a -E '^# |^  [a-z0-9_]+ +(train|not run|error)' "$OUT/convergence.log" | cut -c1-240
-    sed -n '/^| row /,/^Losses in/p' "$OUT/convergence.log"
+    grep -a -E '^# |^  [a-z0-9_]+ +seed |^stopped:|^wrote .*json after' "$OUT/convergence.log" | cut -c1-240
+    sed -n '/^| row /,/^target:/{/^target:/!p}' "$OUT/convergence.log"   # the table and the per-seed table
     sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
   fi
   echo "== total $((SECONDS - T0)) s"
