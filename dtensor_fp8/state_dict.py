@@ -439,8 +439,8 @@ def _agree(what: str, fn, *args, group):
 
 
 def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, strict: bool = True,
-                    allow_nonfinite: bool = False, where=None, what: str = "load_hp_state_dict"
-                    ) -> tuple[StagedHP, HPLoadResult]:
+                    allow_nonfinite: bool = False, where=None, what: str = "load_hp_state_dict",
+                    targets: dict | None = None) -> tuple[StagedHP, HPLoadResult]:
     """Check every value of a high-precision load and stage this rank's part of it, writing
     nothing; any failure raises the same :class:`dtensor_fp8.CheckpointError` on every rank of the
     model's mesh (see :func:`load_hp_state_dict` for the checks).
@@ -449,6 +449,9 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
         model, state_dict, optimizer, strict, allow_nonfinite: as :func:`load_hp_state_dict`.
         where: ``key -> " in <file>"`` for messages (a checkpoint's files), or None.
         what: the call, for messages.
+        targets: key -> the model's tensor each entry loads into (default :func:`hp_targets`); a
+            framework whose state-dict hooks reshape weights (torchtitan's fused QKV) passes its
+            parameters by their own names.
 
     Returns:
         The staged values (for :func:`write_staged_hp_values`) and the keys left out.
@@ -461,7 +464,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
     from .checkpoint.errors import CheckpointError, CheckpointRecipeError  # the checkpoint package imports this module
 
     where = where or (lambda key: "")
-    targets = hp_targets(model)
+    targets = hp_targets(model) if targets is None else targets
     while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer  # a framework's wrapper (accelerate's, Lightning's)
     master_of = optimizer.master_of if optimizer is not None else (lambda p: None)

@@ -73,8 +73,11 @@ _PARALLEL_DIMS: dict = {}
 class _Run:
     """One torchtitan training setup on this rank: model, optimizers, schedulers, checkpointer."""
 
-    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None, ac=None):
-        """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``."""
+    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None, ac=None, checkpoint=None,
+                 optimizer=None):
+        """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``;
+        ``checkpoint``: the checkpointer's config (default: one that saves everything at every step);
+        ``optimizer``: the optimizers container's config (default: the one the recipe needs)."""
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -99,16 +102,20 @@ class _Run:
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         self.model = model
-        self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=[model])
+        optimizer = optimizer or (default_adamw if recipe is None else master_weight_adamw)(lr=LR)
+        self.optimizers = optimizer.build(model_parts=[model])
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
                                                                              training_steps=16)
         self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
-                                                         last_save_model_only=False).build(
+            from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+            checkpoint = checkpoint or CheckpointManager.Config(enable=True, folder="checkpoint", interval=1,
+                                                                keep_latest_k=0, last_save_model_only=False)
+            self.checkpointer = checkpoint.build(
                 dataloader=None, model_parts=[model], optimizers=self.optimizers, lr_schedulers=self.schedulers,
-                states={}, sd_adapter=None, base_folder=ckpt_dir)
+                states={}, sd_adapter=Llama3StateDictAdapter(_model_config(recipe), None), base_folder=ckpt_dir)
 
     def _setup(self, backend: str, tp: int, pp: int = 1, schedule: str = "1F1B"):
         """torchtitan's configs and ``ParallelDims`` (its meshes) for this layout; the device."""
@@ -555,3 +562,84 @@ def test_state_dict_layout_round_trips_and_refuses_another_recipe():
     prefix = "layers.0.attention.qkv_linear.wqkv."
     with pytest.raises(d.RecipeError, match=r"(?s)holds this weight in MXFP8.*Blockwise"):
         other.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
+
+
+# ---- from a pretrained high-precision checkpoint: torchtitan's initial_load_path into an FP8 run ---------
+FP8_LOAD_RECIPE = "mxfp8"
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _initial_load(tp, root):
+    """The bf16 run of the same config without the converter writes its final model-only save
+    (torchtitan's, ``export_dtype="bfloat16"``); the same bf16 config restarted from it
+    (``initial_load_path``, torchtitan's own load) and the FP8 run started from it through
+    ``FP8CheckpointManager``: the FP8 run's first losses, its FP8 bytes against quantizing the
+    values, its masters; then the all-or-nothing refusal of a checkpoint that lacks a weight."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
+
+    writer = _Run(None, tp, "spmd_types", f"{root}/bf16", checkpoint=CheckpointManager.Config(
+        enable=True, export_dtype="bfloat16", keep_latest_k=0))
+    writer.train(range(1))
+    assert writer.checkpointer.save(curr_step=1, last_step=True)
+    path = f"{root}/bf16/checkpoint/step-1"
+    reference = _Run(None, tp, "spmd_types", f"{root}/ref", checkpoint=CheckpointManager.Config(
+        enable=True, initial_load_path=path))
+    assert reference.checkpointer.load()
+    values = {n: _full(p).detach().clone() for n, p in reference.model.named_parameters()}
+    run = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", f"{root}/fp8", checkpoint=FP8CheckpointManager.Config(
+        enable=True, initial_load_path=path))
+    assert run.checkpointer.load()
+    recipe, masters = d.RECIPES[FP8_LOAD_RECIPE], run.optimizers.optimizers[0].masters
+    fp8, differ = 0, []
+    for name, p in run.model.named_parameters():
+        if isinstance(dtensor_local(p), d.QuantizedTensor):
+            fp8 += 1
+            full, want = _full(p), d.quantize(values[name].float(), recipe)
+            differ += [f"{name}/{u}" for u, plane in want.planes.items()
+                       if not (torch.equal(_bytes(full.planes[u].data), _bytes(plane.data))
+                               and torch.equal(_bytes(full.planes[u].scale_inv), _bytes(plane.scale_inv)))]
+            differ += [f"{name}/master" for m in [_full(masters[name])] if not torch.equal(m, values[name].float())]
+        elif not torch.equal(_full(p), values[name]):
+            differ.append(name)
+    out = {"fp8": fp8, "differ": differ, "losses": run.train(range(1, 3)), "reference": reference.train(range(1, 3))}
+
+    # all or nothing: a checkpoint that lacks one weight changes nothing, naming it
+    import torch.distributed.checkpoint as dcp
+
+    lacking = f"{root}/lacking"
+    sd = {k: v for k, v in writer.model.state_dict().items() if k != "layers.1.feed_forward.w2.weight"}
+    dcp.save(sd, checkpoint_id=lacking, process_group=None)
+    again = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", f"{root}/fp8-again", checkpoint=FP8CheckpointManager.Config(
+        enable=True, initial_load_path=lacking))
+    before = again.snapshot()
+    try:
+        again.checkpointer.load()
+        out["refused"] = None
+    except d.CheckpointError as err:
+        out["refused"] = str(err)
+    after = again.snapshot()
+    out["changed"] = [k for k in before if not torch.equal(_bytes(before[k]), _bytes(after[k]))]
+    for r in (writer, reference, run, again):
+        r.checkpointer.close()
+    return out
+
+
+@pytest.mark.parametrize("world,tp", [(2, 1), pytest.param(4, 2, marks=pytest.mark.skipif(
+    4 not in WORLD_SIZES, reason="the suite runs without world size 4"))])
+def test_initial_load_of_a_bf16_checkpoint_starts_the_fp8_run(pools, tmp_path, world, tp):
+    """torchtitan's ``initial_load_path`` of the bf16 run's final save, through
+    ``FP8CheckpointManager`` (FSDP on 2 ranks; TP x FSDP on 4): every Linear weight's FP8 bytes
+    equal quantizing the checkpoint's values, its master holds them exactly, every other parameter
+    equals the bf16 run's; the first losses are the bf16 run's within FP8 rounding; a checkpoint
+    lacking a weight is refused naming it, with nothing changed."""
+    for r in pools[world].run(_initial_load, tp, str(tmp_path)):
+        assert r["fp8"] == LINEARS and r["differ"] == [], r["differ"][:8]
+        for a, b in zip(r["losses"], r["reference"]):
+            assert abs(a - b) <= 0.01 * b, (r["losses"], r["reference"])
+        assert r["refused"] is not None and "layers.1.feed_forward.w2.weight" in r["refused"], r["refused"]
+        assert r["changed"] == [], r["changed"][:8]

@@ -258,3 +258,6 @@ def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
     if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
         entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
     state_dict[key] = entry
+
+
+from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402  (the checkpointer, beside the converter)
