@@ -522,8 +522,15 @@ def test_torchtitans_own_optimizer_over_fp8_weights_is_refused_with_the_fix():
     would its step, naming ``master_weight_adamw``."""
     from torchtitan.components.optimizer import default_adamw
 
+    from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
+
     model = _built("mxfp8")
     optimizers = default_adamw(lr=LR).build(model_parts=[model])
+    # the trainer builds its checkpointer (enabled or not) right after the optimizers: refused there
+    with pytest.raises(d.RecipeError, match=r"(?s)torchtitan's OptimizersContainer builds plain AdamW.*31 FP8 "
+                                            r"weights.*master_weight_adamw"):
+        FP8CheckpointManager.Config().build(dataloader=None, model_parts=[model], optimizers=optimizers,
+                                            lr_schedulers=None, states={}, sd_adapter=None)
     tokens = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(d.RecipeError, match="master_weight_adamw"):
         model(tokens, positions=torch.arange(8)[None])
@@ -643,3 +650,62 @@ def test_initial_load_of_a_bf16_checkpoint_starts_the_fp8_run(pools, tmp_path, w
             assert abs(a - b) <= 0.01 * b, (r["losses"], r["reference"])
         assert r["refused"] is not None and "layers.1.feed_forward.w2.weight" in r["refused"], r["refused"]
         assert r["changed"] == [], r["changed"][:8]
+
+
+# ---- misuse at config / build time: two FP8 converters, a filter that matches nothing ---------------
+def _registry_config(converters):
+    from torchtitan.models.llama3 import model_registry
+
+    return model_registry("debugmodel", converters=converters).model
+
+
+def test_a_second_fp8_converter_before_this_one_is_refused_at_config_time():
+    """FP8ParameterConverter over a config an FP8 converter already converted (itself again here;
+    torchtitan's float8 converter in the torchao test below) refuses, naming "use one FP8
+    converter"; the config is left as the first converter made it."""
+    config = _registry_config([FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
+    with pytest.raises(d.RecipeError, match=r"(?s)30 Linear layers were already converted.*FP8ParameterLinear.*"
+                                            r"use one FP8 converter"):
+        FP8ParameterConverter.Config(recipe="blockwise2d").build().convert(config)
+
+
+def test_a_filter_fqns_entry_that_matches_nothing_warns():
+    """``filter_fqns=["output"]`` (the head's name in torchtitan <= 0.2) keeps nothing in high
+    precision: a warning names the entry and the model's names; a matching entry gives none."""
+    with pytest.warns(UserWarning, match=r"(?s)filter_fqns entry 'output' matches no Linear layer.*'lm_head'"):
+        _registry_config([FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["output"])])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _registry_config([FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
+
+
+def _float8_converter():
+    pytest.importorskip("torchao", reason="torchtitan's Float8LinearConverter needs torchao")
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    return Float8LinearConverter.Config(emulate=True)
+
+
+def test_torchtitans_float8_converter_and_this_one_are_refused_in_either_order():
+    """torchtitan's ``Float8LinearConverter`` (torchao, emulated on CPU) with FP8ParameterConverter:
+    before it, refused at config time; after it (it swaps every Linear config, FP8 ones too,
+    keeping their ``param_init``), refused at ``init_weights``, before any step: "use one FP8
+    converter" both ways."""
+    float8 = _float8_converter()
+    ours = FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])
+    with pytest.raises(d.RecipeError, match=r"(?s)already converted by another FP8 converter.*Float8Linear.*"
+                                            r"use one FP8 converter"):
+        _registry_config([float8, ours])
+    config = _registry_config([ours, float8])
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    with pytest.raises(d.RecipeError, match=r"(?s)FP8ParameterConverter\(recipe='mxfp8'\) converted this Linear.*"
+                                            r"use one FP8 converter"), torch.no_grad():
+        model.init_weights(buffer_device=None)

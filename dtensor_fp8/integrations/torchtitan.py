@@ -43,6 +43,7 @@ and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and i
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,7 +60,9 @@ from ..formats import RECIPES
 from ..formats.base import RecipeError
 from ..module import quantize_module_
 from ..optim import MasterWeightOptimizer
+from ..placement import local_tensor
 from ..state_dict import RECIPE_KEY
+from ..tensor import QuantizedTensor
 
 #: length of the recipe-config field in a torchtitan state dict (the JSON, zero-padded)
 RECIPE_FIELD_BYTES = 256
@@ -121,11 +124,22 @@ class FP8ParameterConverter(QuantizationConverter):
 
     def convert(self, model_config):
         """The model config with every selected ``Linear.Config`` swapped, or a :class:`RecipeError`
-        listing every selected layer that cannot be converted (nothing is swapped then)."""
+        listing every selected layer that cannot be converted (nothing is swapped then). Refuses a
+        config another FP8 converter already converted; warns of a ``filter_fqns`` entry that
+        matches no Linear layer (its layers would silently become FP8)."""
         skip = self.config.filter_fqns
+        linears = list(model_config.traverse(Linear.Config))
+        _refuse_a_second_fp8_converter(linears)
+        for f in skip:
+            if not any(f in fqn for fqn, *_ in linears):
+                warnings.warn(
+                    f"FP8ParameterConverter: filter_fqns entry {f!r} matches no Linear layer, so it keeps none in high "
+                    f"precision (the model's Linear layers are e.g. {_examples([fqn for fqn, *_ in linears])}). Fix: "
+                    "name them as the model does (torchtitan 0.3's output head is 'lm_head', not 'output')",
+                    UserWarning, stacklevel=2)
         tied = bool(getattr(model_config, "enable_weight_tying", False))
         targets, problems = [], []
-        for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
+        for fqn, linear, parent, attr in linears:
             if any(f in fqn for f in skip):
                 continue
             if type(linear) is not Linear.Config:
@@ -150,11 +164,56 @@ class FP8ParameterConverter(QuantizationConverter):
                 f"filter_fqns={skip + [problems[0].split(':')[0]]!r}.")
         for linear, parent, attr in targets:
             new = derive(linear, FP8ParameterLinear.Config, recipe=self.config.recipe)
+            if isinstance(new.param_init, dict) and "weight" in new.param_init:
+                new.param_init = {**new.param_init, "weight": _FP8WeightInit(new.param_init["weight"], self.config.recipe)}
             if isinstance(parent, list):
                 parent[attr] = new
             else:
                 setattr(parent, attr, new)
         return model_config
+
+
+#: where torchtitan's own quantized Linear configs live (Float8Linear, MXFP8Linear, NVFP4Linear)
+_TORCHTITAN_QUANTIZATION = "torchtitan.components.quantization"
+_ONE_CONVERTER = ("use one FP8 converter: FP8ParameterConverter alone (FP8 parameters, FP32 masters), or torchtitan's "
+                  "float8 / mx converter alone (high-precision parameters, FP8 GEMMs)")
+
+
+def _examples(fqns: list[str]) -> str:
+    return ", ".join(repr(f) for f in fqns[:2]) + (f", ..., {fqns[-1]!r}" if len(fqns) > 2 else "")
+
+
+def _refuse_a_second_fp8_converter(linears) -> None:
+    """An FP8 converter applied before this one: refused, naming it and the layers it converted."""
+    converted = [(fqn, type(linear)) for fqn, linear, _, _ in linears
+                 if isinstance(linear, FP8ParameterLinear.Config)
+                 or type(linear).__module__.startswith(_TORCHTITAN_QUANTIZATION)]
+    if converted:
+        kinds = sorted({kind.__qualname__ for _, kind in converted})
+        raise RecipeError(
+            f"FP8ParameterConverter: {len(converted)} Linear layers were already converted by another FP8 converter "
+            f"({', '.join(kinds)}: {_examples([fqn for fqn, _ in converted])}); {_ONE_CONVERTER}")
+
+
+class _FP8WeightInit:
+    """``param_init["weight"]`` of a Linear the converter made FP8: the model's initializer, after
+    a check that the weight it initializes is FP8. A converter applied after this one that swaps
+    the Linear's config (torchtitan's ``Float8LinearConverter`` keeps ``param_init`` and drops
+    the FP8 parameter) is caught here, at ``init_weights``, before any step."""
+
+    def __init__(self, init, recipe: str) -> None:
+        self.init, self.recipe = init, recipe
+
+    def __call__(self, param: torch.Tensor):
+        if not isinstance(local_tensor(param), QuantizedTensor):
+            raise RecipeError(
+                f"FP8ParameterConverter(recipe={self.recipe!r}) converted this Linear, but a converter applied after "
+                f"it replaced the layer (its weight is a {param.dtype} parameter of shape {tuple(param.shape)}, not "
+                f"FP8: torchtitan's Float8LinearConverter / MXFP8LinearConverter do this); {_ONE_CONVERTER}")
+        return self.init(param)
+
+    def __repr__(self) -> str:
+        return f"FP8ParameterConverter({self.recipe!r}).weight_init({self.init!r})"
 
 
 class MasterWeightOptimizersContainer(OptimizersContainer):

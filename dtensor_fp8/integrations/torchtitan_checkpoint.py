@@ -38,6 +38,7 @@ from ..checkpoint.dcp_io import read_metadata
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.hp import _open, _read
 from ..checkpoint.save_load import _from_dcp
+from ..formats.base import RecipeError
 from ..state_dict import RECIPE_KEY, _is_fp8, high_precision_state_dict, stage_hp_values, write_staged_hp_values
 
 _SHOWN = 6
@@ -65,6 +66,20 @@ class _Masters:
 #: the prefix torch's ``checkpoint_wrapper`` (torchtitan's activation checkpointing) puts in
 #: parameter names and takes out of state-dict keys
 _WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _refuse_plain_optimizers(model_parts: list, optimizers) -> None:
+    """torchtitan's own ``OptimizersContainer`` over FP8 weights, refused as the trainer builds
+    (it builds the checkpointer right after the optimizers, before any step): its optimizers would
+    step the FP8 bytes in place, and no master holds the weights' values."""
+    plain = [type(o).__qualname__ for o in getattr(optimizers, "optimizers", []) if not hasattr(o, "master_of")]
+    fp8 = sorted(k for part in model_parts for k, t in _native_targets(part).items() if _is_fp8(t))
+    if plain and fp8:
+        raise RecipeError(
+            f"torchtitan's {type(optimizers).__qualname__} builds plain {', '.join(sorted(set(plain)))} optimizers over "
+            f"the model's {len(fp8)} FP8 weights ({_listed(fp8)}): FP8 weights train through FP32 masters. Fix: "
+            "config.optimizer = dtensor_fp8.integrations.torchtitan.master_weight_adamw(lr=...) (or "
+            "MasterWeightOptimizersContainer.Config with your param groups)")
 
 
 def _native_targets(part) -> dict:
@@ -148,9 +163,10 @@ class FP8CheckpointManager(CheckpointManager):
                 raise ValueError("FP8CheckpointManager: last_save_fp8 keeps dtensor_fp8's FP8 planes, which no "
                                  "Hugging Face loader reads; last_save_in_hf writes high-precision weights. Choose one")
 
-    def __init__(self, config: Config, **kwargs: Any) -> None:
+    def __init__(self, config: Config, *, model_parts: list, optimizers, **kwargs: Any) -> None:
+        _refuse_plain_optimizers(model_parts, optimizers)
         self.last_save_fp8 = config.last_save_fp8
-        super().__init__(config, **kwargs)
+        super().__init__(config, model_parts=model_parts, optimizers=optimizers, **kwargs)
 
     # ---- loading ------------------------------------------------------------------------------------------
     def _parts(self) -> list:
