@@ -709,3 +709,82 @@ def test_torchtitans_float8_converter_and_this_one_are_refused_in_either_order()
     with pytest.raises(d.RecipeError, match=r"(?s)FP8ParameterConverter\(recipe='mxfp8'\) converted this Linear.*"
                                             r"use one FP8 converter"), torch.no_grad():
         model.init_weights(buffer_device=None)
+
+
+# ---- the final model-only save: high-precision weights from the masters, DCP or Hugging Face -----------
+def _final_save(root, export_dtype, hf):
+    """An FP8 run's final model-only save through ``FP8CheckpointManager``; what it wrote, read
+    back: through torchtitan's own initial load into the same config without FP8 (DCP), or the
+    safetensors files (HF); with what it should hold (masters and plain weights in the dtype)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
+
+    dtype = TORCH_DTYPE_MAP[export_dtype]
+    run = _Run(FP8_LOAD_RECIPE, 1, "spmd_types", f"{root}/fp8", checkpoint=FP8CheckpointManager.Config(
+        enable=True, keep_latest_k=0, export_dtype=export_dtype, last_save_in_hf=hf))
+    run.train(range(2))
+    masters = run.optimizers.optimizers[0].masters
+    # torchtitan's layout (wq / wk / wv split from the fused QKV weight) of the same model without FP8
+    plain = _Run(None, 1, "spmd_types", f"{root}/plain", checkpoint=CheckpointManager.Config(
+        enable=True))
+    with torch.no_grad():
+        for name, p in plain.model.named_parameters():
+            source = masters[name] if name in masters else dict(run.model.named_parameters())[name]
+            dtensor_local(p).copy_(dtensor_local(source).to(dtype))
+    want = {k: _full(v).to(dtype) for k, v in plain.model.state_dict().items()}
+    assert run.checkpointer.save(curr_step=2, last_step=True)
+    dist.barrier()
+    out = {"want": {k: v.clone() for k, v in want.items()}}
+    if hf:
+        import glob
+
+        from safetensors.torch import load_file
+
+        got = {}
+        for f in sorted(glob.glob(f"{root}/fp8/checkpoint/step-2/*.safetensors")):
+            got.update(load_file(f))
+        out["hf"] = got
+        out["hf_want"] = {k: v.contiguous() for k, v in plain.checkpointer.sd_adapter.to_hf(want).items()}
+    else:
+        torch.manual_seed(1)
+        fresh = _Run(None, 1, "spmd_types", f"{root}/fresh", checkpoint=CheckpointManager.Config(
+            enable=True, initial_load_path=f"{root}/fp8/checkpoint/step-2"))
+        assert fresh.checkpointer.load()
+        out["loaded"] = {k: _full(v) for k, v in fresh.model.state_dict().items()}
+        fresh.checkpointer.close()
+    run.checkpointer.close()
+    plain.checkpointer.close()
+    return out
+
+
+@pytest.mark.parametrize("export_dtype", ["float32", "bfloat16"])
+def test_final_model_only_save_writes_high_precision_weights_from_the_masters(pools, tmp_path, export_dtype):
+    """torchtitan's default final save (``last_save_model_only=True``) through ``FP8CheckpointManager``:
+    every FP8 weight's master in ``export_dtype`` under the model's own keys (no FP8 planes);
+    torchtitan's initial load of it into the same config without FP8 gives exactly those weights."""
+    out = pools[2].run(_final_save, str(tmp_path), export_dtype, False)[0]
+    assert out["loaded"].keys() == out["want"].keys()
+    assert not any(k.endswith(("_data", "_scale_inv", ".recipe")) for k in out["loaded"])
+    differ = [k for k, v in out["want"].items() if not torch.equal(out["loaded"][k].to(v.dtype), v)]
+    assert differ == [], differ[:8]
+
+
+def test_final_save_in_hf_loads_into_transformers(pools, tmp_path):
+    """``last_save_in_hf=True``: Hugging Face safetensors (the model's state-dict adapter) holding
+    the masters in bf16; a transformers ``LlamaForCausalLM`` of the debug model's shape loads them
+    strictly."""
+    transformers = pytest.importorskip("transformers")
+    out = pools[2].run(_final_save, str(tmp_path), "bfloat16", True)[0]
+    got, want = out["hf"], out["hf_want"]
+    assert got.keys() == want.keys()
+    assert [k for k in want if not (got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]))] == []
+    attn = _model_config(None).layers[0].attention
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=got["model.embed_tokens.weight"].shape[1],
+        intermediate_size=got["model.layers.0.mlp.gate_proj.weight"].shape[0], num_hidden_layers=6,
+        num_attention_heads=attn.n_heads, num_key_value_heads=attn.n_kv_heads or attn.n_heads,
+        tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.load_state_dict(got, strict=True)
