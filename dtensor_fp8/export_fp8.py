@@ -102,7 +102,7 @@ def export_fp8_hf(model: nn.Module, path: str, *, dtype: torch.dtype = torch.bfl
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     what = f"export_fp8_hf({path})"
-    if group is None and dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if group is None and dist.is_available() and dist.is_initialized() and dist.get_rank(dist.group.WORLD) != 0:
         return None  # an unsharded model: every rank holds all of it, rank 0 writes it
     entries, quantization = agree_over(what, _plan, model, targets, key_map, path, dtype, group=group)
     files = _assign_files(entries, world)

@@ -238,8 +238,11 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_k
             state_dict[key] = entry_to_param(entry, p, key)
         elif entry is not None and not isinstance(local_tensor(entry), QuantizedTensor):
             raise RecipeError(
-                f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
-                "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
+                f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight (high-precision weights; "
+                "load_state_dict / set_model_state_dict load FP8 planes, and would leave the optimizer's masters "
+                "stale). Fix: dtensor_fp8.load_hp_state_dict(model, state_dict, optimizer=opt) quantizes them on load "
+                "and sets the masters; dtensor_fp8.load_hp_checkpoint(model, path, optimizer=opt) reads a checkpoint "
+                "directory shard by shard"
             )
 
 

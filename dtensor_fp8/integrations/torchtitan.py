@@ -319,4 +319,4 @@ def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
     state_dict[key] = entry
 
 
-from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402  (the checkpointer, beside the converter)
+from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402,F401  (the checkpointer, beside the converter)
