@@ -90,7 +90,8 @@ def export_fp8_hf(model: nn.Module, path: str, *, dtype: torch.dtype = torch.bfl
             model's keys are its checkpoint's).
 
     Returns:
-        The ``quantization_config`` written.
+        The ``quantization_config`` written (None on the other ranks of a job whose model is not
+        sharded: each rank holds all of it, and rank 0 writes it).
 
     Example:
         >>> dtensor_fp8.export_fp8_hf(model, "out/llama-fp8")      # every rank

@@ -58,8 +58,9 @@ from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
 
-#: While set (to ``(dtype, masters)``), the state-dict hook puts each FP8 weight's high-precision
-#: values in the state dict instead of its planes: its master's where ``masters`` (FQN -> master)
+#: While set (to ``(dtype, master_of)``), the state-dict hook puts each FP8 weight's high-precision
+#: values in the state dict instead of its planes: its master's where ``master_of(param)`` (by the
+#: parameter itself: wrappers such as ``checkpoint_wrapper`` put components in the hook's keys)
 #: has one, else its dequantized FP8 values (``export_hp_state_dict``). Set to :data:`_TARGETS`,
 #: it leaves each FP8 parameter itself there (``hp_targets``: what a high-precision load writes).
 _EXPORT: contextvars.ContextVar[tuple | object | None] = contextvars.ContextVar("_EXPORT", default=None)
@@ -126,8 +127,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             continue
         if export is _TARGETS:
             continue
-        dtype, masters = export
-        master, q = masters.get(key), local_tensor(p)
+        dtype, master_of = export
+        master, q = master_of(p), local_tensor(p)
         if master is not None:
             state_dict[key] = like(p, local_tensor(master).detach().to(dtype, copy=True))
         elif q.bytes_pending:  # a meta-built weight before finish_init_: its values are all it has
@@ -298,9 +299,9 @@ def high_precision_state_dict(dtype: torch.dtype = torch.bfloat16, *, optimizer=
         ...     sd = accelerator.get_state_dict(model)   # full bf16 tensors, the unquantized model's keys
         >>> accelerator.unwrap_model(model).save_pretrained(out, state_dict=sd)
     """
-    while optimizer is not None and not hasattr(optimizer, "masters") and hasattr(optimizer, "optimizer"):
+    while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    token = _EXPORT.set((dtype, optimizer.masters if optimizer is not None else {}))
+    token = _EXPORT.set((dtype, optimizer.master_of if optimizer is not None else (lambda p: None)))
     try:
         yield
     finally:

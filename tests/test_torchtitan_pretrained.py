@@ -34,6 +34,18 @@ from dtensor_fp8._compat import dtensor_local  # noqa: E402
 FP8_LOAD_RECIPE = "mxfp8"
 
 
+def _ac():
+    """torchtitan's default activation checkpointing (its debug config's): the parameters' names
+    then hold ``_checkpoint_wrapped_module.``, the state dict's keys do not."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    return SelectiveAC.Config()
+
+
+def _canonical(name):  # a MasterWeightOptimizer's FQNs leave out the wrapper's component
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -49,17 +61,17 @@ def _initial_load(tp, root, hf=False):
 
     from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
 
-    writer = _Run(None, tp, "spmd_types", f"{root}/bf16", checkpoint=CheckpointManager.Config(
+    writer = _Run(None, tp, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/bf16", checkpoint=CheckpointManager.Config(
         enable=True, export_dtype="bfloat16", keep_latest_k=0, last_save_in_hf=hf))
     writer.train(range(1))
     assert writer.checkpointer.save(curr_step=1, last_step=True)
     path = f"{root}/bf16/checkpoint/step-1"
-    reference = _Run(None, tp, "spmd_types", f"{root}/ref", checkpoint=CheckpointManager.Config(
+    reference = _Run(None, tp, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/ref", checkpoint=CheckpointManager.Config(
         enable=True, initial_load_path=path, initial_load_in_hf=hf))
     assert reference.checkpointer.load()
     values = {n: _full(p).detach().clone() for n, p in reference.model.named_parameters()}
-    run = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", f"{root}/fp8", checkpoint=FP8CheckpointManager.Config(
-        enable=True, initial_load_path=path, initial_load_in_hf=hf))
+    run = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/fp8",
+               checkpoint=FP8CheckpointManager.Config(enable=True, initial_load_path=path, initial_load_in_hf=hf))
     assert run.checkpointer.load()
     recipe, masters = d.RECIPES[FP8_LOAD_RECIPE], run.optimizers.optimizers[0].masters
     fp8, differ = 0, []
@@ -70,7 +82,8 @@ def _initial_load(tp, root, hf=False):
             differ += [f"{name}/{u}" for u, plane in want.planes.items()
                        if not (torch.equal(_bytes(full.planes[u].data), _bytes(plane.data))
                                and torch.equal(_bytes(full.planes[u].scale_inv), _bytes(plane.scale_inv)))]
-            differ += [f"{name}/master" for m in [_full(masters[name])] if not torch.equal(m, values[name].float())]
+            master = _full(masters[_canonical(name)])
+            differ += [f"{name}/master"] if not torch.equal(master, values[name].float()) else []
         elif not torch.equal(_full(p), values[name]):
             differ.append(name)
     out = {"fp8": fp8, "differ": differ, "losses": run.train(range(1, 3)), "reference": reference.train(range(1, 3))}
@@ -85,8 +98,8 @@ def _initial_load(tp, root, hf=False):
     lacking = f"{root}/lacking"
     sd = {k: v for k, v in writer.model.state_dict().items() if k != "layers.1.feed_forward.w2.weight"}
     dcp.save(sd, checkpoint_id=lacking, process_group=None)
-    again = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", f"{root}/fp8-again", checkpoint=FP8CheckpointManager.Config(
-        enable=True, initial_load_path=lacking))
+    again = _Run(FP8_LOAD_RECIPE, tp, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/fp8-again",
+                 checkpoint=FP8CheckpointManager.Config(enable=True, initial_load_path=lacking))
     before = again.snapshot()
     try:
         again.checkpointer.load()
@@ -189,16 +202,16 @@ def _final_save(root, export_dtype, hf):
     from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
 
     dtype = TORCH_DTYPE_MAP[export_dtype]
-    run = _Run(FP8_LOAD_RECIPE, 1, "spmd_types", f"{root}/fp8", checkpoint=FP8CheckpointManager.Config(
-        enable=True, keep_latest_k=0, export_dtype=export_dtype, last_save_in_hf=hf))
+    run = _Run(FP8_LOAD_RECIPE, 1, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/fp8",
+               checkpoint=FP8CheckpointManager.Config(enable=True, keep_latest_k=0, export_dtype=export_dtype, last_save_in_hf=hf))
     run.train(range(2))
     masters = run.optimizers.optimizers[0].masters
     # torchtitan's layout (wq / wk / wv split from the fused QKV weight) of the same model without FP8
-    plain = _Run(None, 1, "spmd_types", f"{root}/plain", checkpoint=CheckpointManager.Config(
+    plain = _Run(None, 1, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/plain", checkpoint=CheckpointManager.Config(
         enable=True))
     with torch.no_grad():
         for name, p in plain.model.named_parameters():
-            source = masters[name] if name in masters else dict(run.model.named_parameters())[name]
+            source = masters.get(_canonical(name), dict(run.model.named_parameters())[name])
             dtensor_local(p).copy_(dtensor_local(source).to(dtype))
     want = {k: _full(v).to(dtype) for k, v in plain.model.state_dict().items()}
     assert run.checkpointer.save(curr_step=2, last_step=True)
@@ -216,7 +229,7 @@ def _final_save(root, export_dtype, hf):
         out["hf_want"] = {k: v.contiguous() for k, v in plain.checkpointer.sd_adapter.to_hf(want).items()}
     else:
         torch.manual_seed(1)
-        fresh = _Run(None, 1, "spmd_types", f"{root}/fresh", checkpoint=CheckpointManager.Config(
+        fresh = _Run(None, 1, "spmd_types", ac=_ac(), ckpt_dir=f"{root}/fresh", checkpoint=CheckpointManager.Config(
             enable=True, initial_load_path=f"{root}/fp8/checkpoint/step-2"))
         assert fresh.checkpointer.load()
         out["loaded"] = {k: _full(v) for k, v in fresh.model.state_dict().items()}

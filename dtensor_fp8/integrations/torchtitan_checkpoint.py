@@ -129,6 +129,9 @@ def _check_entries(layout: dict, source, checkpoint_id: str) -> None:
             problems.append(f"{key}{source.where(key)} is not a tensor")
         elif tuple(md.size) != tuple(value.shape):
             problems.append(f"{key}{source.where(key)} is {tuple(md.size)}, the model's is {tuple(value.shape)}")
+        elif value.is_floating_point() and not md.properties.dtype.is_floating_point:
+            problems.append(f"{key}{source.where(key)} holds {md.properties.dtype} values for a floating weight "
+                            "(nothing is converted from integers)")
     if problems:
         raise CheckpointError(f"FP8CheckpointManager: the high-precision checkpoint {checkpoint_id} is not one of this "
                               f"model config: {'; '.join(problems[:_SHOWN])}. Fix: start from a checkpoint of the same "
