@@ -345,7 +345,7 @@ class _PipelineRun(_Run):
     parts, and ``pp_schedule.step`` over micro-batches of one sequence (the trainer's
     ``pp_forward_backward_step``)."""
 
-    def __init__(self, recipe, schedule: str, ckpt_dir: str | None = None):
+    def __init__(self, recipe, schedule: str, ckpt_dir: str | None = None, checkpoint=None):
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -385,8 +385,9 @@ class _PipelineRun(_Run):
                                                                              training_steps=16)
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
-                                                         last_save_model_only=False).build(
+            checkpoint = checkpoint or CheckpointManager.Config(enable=True, folder="checkpoint", interval=1,
+                                                                keep_latest_k=0, last_save_model_only=False)
+            self.checkpointer = checkpoint.build(
                 dataloader=None, model_parts=parts, optimizers=self.optimizers, lr_schedulers=self.schedulers,
                 states={}, sd_adapter=None, base_folder=ckpt_dir)
 

@@ -132,6 +132,56 @@ def test_initial_load_of_a_bf16_checkpoint_starts_the_fp8_run(pools, tmp_path, w
         assert r["changed"] == [], r["changed"][:8]
 
 
+def _pipeline_initial_load(schedule, root):
+    """pp=2 x dp=2: the bf16 pipeline's final save (each stage writes its part) starts the FP8
+    pipeline through ``FP8CheckpointManager`` (each rank loads its model parts: two when
+    interleaved); FP8 bytes = quantize(values) and masters = values on every rank's parts, and the
+    first losses are the bf16 pipeline's (restarted from the same save) within 1 %."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
+    from test_torchtitan import _PipelineRun
+
+    writer = _PipelineRun(None, schedule, f"{root}/bf16", checkpoint=CheckpointManager.Config(
+        enable=True, export_dtype="bfloat16", keep_latest_k=0))
+    writer.train(range(1))
+    assert writer.checkpointer.save(curr_step=1, last_step=True)
+    dist.barrier()
+    path = f"{root}/bf16/checkpoint/step-1"
+    reference = _PipelineRun(None, schedule, f"{root}/ref", checkpoint=CheckpointManager.Config(
+        enable=True, initial_load_path=path))
+    assert reference.checkpointer.load()
+    values = {n: _full(p).detach().clone() for part in reference.parts for n, p in part.named_parameters()}
+    run = _PipelineRun(FP8_LOAD_RECIPE, schedule, f"{root}/fp8", checkpoint=FP8CheckpointManager.Config(
+        enable=True, initial_load_path=path))
+    assert run.checkpointer.load()
+    recipe, fp8, differ = d.RECIPES[FP8_LOAD_RECIPE], 0, []
+    masters = {k: v for o in run.optimizers.optimizers for k, v in o.masters.items()}
+    for name, p in run._named_parameters():
+        if isinstance(dtensor_local(p), d.QuantizedTensor):
+            fp8 += 1
+            full, want = _full(p), d.quantize(values[name].float(), recipe)
+            differ += [f"{name}/{u}" for u, plane in want.planes.items()
+                       if not torch.equal(_bytes(full.planes[u].data), _bytes(plane.data))]
+            differ += [f"{name}/master"] if not torch.equal(_full(masters[name]), values[name].float()) else []
+        elif not torch.equal(_full(p), values[name]):
+            differ.append(name)
+    out = {"fp8": fp8, "differ": differ, "losses": run.train(range(1, 3)), "reference": reference.train(range(1, 3))}
+    for r in (writer, reference, run):
+        r.checkpointer.close()
+    return out
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B"])
+def test_initial_load_of_a_bf16_checkpoint_starts_a_pipeline_fp8_run(pools, tmp_path, schedule):
+    out = pools[4].run(_pipeline_initial_load, schedule, str(tmp_path))
+    assert sum(r["fp8"] for r in out) == 2 * LINEARS  # each stage's weights on its two dp ranks
+    for r in out:
+        assert r["differ"] == [], r["differ"][:8]
+        for a, b in zip(r["losses"], r["reference"]):
+            assert abs(a - b) <= 0.01 * b, (r["losses"], r["reference"])
+
 # ---- misuse at config / build time: two FP8 converters, a filter that matches nothing ---------------
 def _registry_config(converters):
     from torchtitan.models.llama3 import model_registry
