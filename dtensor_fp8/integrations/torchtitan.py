@@ -3,13 +3,15 @@
 [Note: what a torchtitan user writes]
 A job config (a ``Trainer.Config`` function, as torchtitan's ``config_registry`` modules hold)::
 
-    from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter, master_weight_adamw
+    from dtensor_fp8.integrations.torchtitan import (FP8CheckpointManager, FP8ParameterConverter,
+                                                     master_weight_adamw)
 
     def llama3_debugmodel_fp8() -> Trainer.Config:
         config = llama3_debugmodel()
         config.model_spec = model_registry("debugmodel", converters=[
             FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
         config.optimizer = master_weight_adamw(lr=8e-4)
+        config.checkpoint = FP8CheckpointManager.Config(enable=True)   # any CheckpointManager field
         return config
 
 Everything torchtitan does after that is its own code, unchanged: the meta-device build, its
@@ -30,8 +32,15 @@ and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and i
 * :class:`MasterWeightOptimizersContainer` is torchtitan's ``OptimizersContainer`` whose optimizers
   are :class:`dtensor_fp8.MasterWeightOptimizer` over the optimizer class each param group names
   (FP32 masters of the FP8 weights; building it makes the FP8 bytes from ``init_weights``' values).
-  torchtitan's own container over FP8 parameters is refused at the first forward or
+  torchtitan's own container over FP8 parameters is refused when the trainer builds
+  :class:`FP8CheckpointManager` (right after the optimizers), else at the first forward or
   ``state_dict()``: the FP8 bytes are not made, and the error names this container.
+* :class:`FP8CheckpointManager` (``torchtitan_checkpoint.py``) is torchtitan's checkpointer that
+  starts an FP8 run from a bf16 / fp32 checkpoint (``initial_load_path``, ``initial_load_in_hf``)
+  and writes the final model-only save in high precision (``export_dtype``, ``last_save_in_hf``).
+* One FP8 converter a model: another FP8 converter applied before this one is refused at config
+  time, one applied after it at ``init_weights`` (``_FP8WeightInit``); a ``filter_fqns`` entry
+  that matches no Linear layer warns.
 * The state dict: torchtitan's checkpointer keeps ``model.state_dict()``'s entries as tensors and
   refreshes them in place (``ModelWrapper``), so an FP8 weight's entry (a dict of planes, see
   ``dtensor_fp8/state_dict.py``) appears flattened: ``<fqn>.weight.rowwise_data``,
