@@ -329,3 +329,6 @@ def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
 
 
 from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402,F401  (the checkpointer, beside the converter)
+
+__all__ = ["FP8CheckpointManager", "FP8ParameterConverter", "FP8ParameterLinear", "MasterWeightOptimizersContainer",
+           "RECIPE_FIELD_BYTES", "master_weight_adamw", "recipe_from_tensor", "recipe_tensor"]
