@@ -25,6 +25,7 @@ from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extens
 from . import settings  # noqa: F401  (the kernel / GEMM switches: dtensor_fp8.settings.override)
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_hp_checkpoint, save_checkpoint
 from .state_dict import export_hp_state_dict, high_precision_state_dict, load_hp_state_dict
+from .export_fp8 import export_fp8_hf
 from .fsdp import gather_both_usages
 from .describe import describe
 from .linear import quantized_linear
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Blockwise", "CheckpointError", "COLUMNWISE", "Recipe", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
     "QuantizedTensor", "RECIPES", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
-    "describe", "export_hp_state_dict", "high_precision_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_checkpoint", "load_hp_state_dict", "save_checkpoint",
+    "describe", "export_fp8_hf", "export_hp_state_dict", "high_precision_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "finish_init_", "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",
     "quantized_linear", "te_layout", "check_tp_plan", "parallelize_module", "QuantizedTransposeView",
     "update_operand_scaling_",

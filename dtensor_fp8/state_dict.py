@@ -58,8 +58,9 @@ from .tensor import QuantizedTensor, one_byte_as_uint8
 
 RECIPE_KEY = "recipe"
 
-#: While set (to ``(dtype, masters)``), the state-dict hook puts each FP8 weight's high-precision
-#: values in the state dict instead of its planes: its master's where ``masters`` (FQN -> master)
+#: While set (to ``(dtype, master_of)``), the state-dict hook puts each FP8 weight's high-precision
+#: values in the state dict instead of its planes: its master's where ``master_of(param)`` (by the
+#: parameter itself: wrappers such as ``checkpoint_wrapper`` put components in the hook's keys)
 #: has one, else its dequantized FP8 values (``export_hp_state_dict``). Set to :data:`_TARGETS`,
 #: it leaves each FP8 parameter itself there (``hp_targets``: what a high-precision load writes).
 _EXPORT: contextvars.ContextVar[tuple | object | None] = contextvars.ContextVar("_EXPORT", default=None)
@@ -126,8 +127,8 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata):
             continue
         if export is _TARGETS:
             continue
-        dtype, masters = export
-        master, q = masters.get(key), local_tensor(p)
+        dtype, master_of = export
+        master, q = master_of(p), local_tensor(p)
         if master is not None:
             state_dict[key] = like(p, local_tensor(master).detach().to(dtype, copy=True))
         elif q.bytes_pending:  # a meta-built weight before finish_init_: its values are all it has
@@ -238,8 +239,11 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_k
             state_dict[key] = entry_to_param(entry, p, key)
         elif entry is not None and not isinstance(local_tensor(entry), QuantizedTensor):
             raise RecipeError(
-                f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight; use "
-                "dtensor_fp8.load_hp_state_dict to quantize high-precision weights on load"
+                f"{key}: the state dict holds a {entry.dtype} tensor for an FP8 weight (high-precision weights; "
+                "load_state_dict / set_model_state_dict load FP8 planes, and would leave the optimizer's masters "
+                "stale). Fix: dtensor_fp8.load_hp_state_dict(model, state_dict, optimizer=opt) quantizes them on load "
+                "and sets the masters; dtensor_fp8.load_hp_checkpoint(model, path, optimizer=opt) reads a checkpoint "
+                "directory shard by shard"
             )
 
 
@@ -295,9 +299,9 @@ def high_precision_state_dict(dtype: torch.dtype = torch.bfloat16, *, optimizer=
         ...     sd = accelerator.get_state_dict(model)   # full bf16 tensors, the unquantized model's keys
         >>> accelerator.unwrap_model(model).save_pretrained(out, state_dict=sd)
     """
-    while optimizer is not None and not hasattr(optimizer, "masters") and hasattr(optimizer, "optimizer"):
+    while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    token = _EXPORT.set((dtype, optimizer.masters if optimizer is not None else {}))
+    token = _EXPORT.set((dtype, optimizer.master_of if optimizer is not None else (lambda p: None)))
     try:
         yield
     finally:
@@ -439,8 +443,8 @@ def _agree(what: str, fn, *args, group):
 
 
 def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, strict: bool = True,
-                    allow_nonfinite: bool = False, where=None, what: str = "load_hp_state_dict"
-                    ) -> tuple[StagedHP, HPLoadResult]:
+                    allow_nonfinite: bool = False, where=None, what: str = "load_hp_state_dict",
+                    targets: dict | None = None) -> tuple[StagedHP, HPLoadResult]:
     """Check every value of a high-precision load and stage this rank's part of it, writing
     nothing; any failure raises the same :class:`dtensor_fp8.CheckpointError` on every rank of the
     model's mesh (see :func:`load_hp_state_dict` for the checks).
@@ -449,6 +453,9 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
         model, state_dict, optimizer, strict, allow_nonfinite: as :func:`load_hp_state_dict`.
         where: ``key -> " in <file>"`` for messages (a checkpoint's files), or None.
         what: the call, for messages.
+        targets: key -> the model's tensor each entry loads into (default :func:`hp_targets`); a
+            framework whose state-dict hooks reshape weights (torchtitan's fused QKV) passes its
+            parameters by their own names.
 
     Returns:
         The staged values (for :func:`write_staged_hp_values`) and the keys left out.
@@ -461,7 +468,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
     from .checkpoint.errors import CheckpointError, CheckpointRecipeError  # the checkpoint package imports this module
 
     where = where or (lambda key: "")
-    targets = hp_targets(model)
+    targets = hp_targets(model) if targets is None else targets
     while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer  # a framework's wrapper (accelerate's, Lightning's)
     master_of = optimizer.master_of if optimizer is not None else (lambda p: None)

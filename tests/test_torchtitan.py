@@ -73,8 +73,11 @@ _PARALLEL_DIMS: dict = {}
 class _Run:
     """One torchtitan training setup on this rank: model, optimizers, schedulers, checkpointer."""
 
-    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None, ac=None):
-        """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``."""
+    def __init__(self, recipe, tp: int, backend: str, ckpt_dir: str | None = None, ac=None, checkpoint=None,
+                 optimizer=None):
+        """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``;
+        ``checkpoint``: the checkpointer's config (default: one that saves everything at every step);
+        ``optimizer``: the optimizers container's config (default: the one the recipe needs)."""
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -99,16 +102,20 @@ class _Run:
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         self.model = model
-        self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=[model])
+        optimizer = optimizer or (default_adamw if recipe is None else master_weight_adamw)(lr=LR)
+        self.optimizers = optimizer.build(model_parts=[model])
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
                                                                              training_steps=16)
         self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
-                                                         last_save_model_only=False).build(
+            from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+            checkpoint = checkpoint or CheckpointManager.Config(enable=True, folder="checkpoint", interval=1,
+                                                                keep_latest_k=0, last_save_model_only=False)
+            self.checkpointer = checkpoint.build(
                 dataloader=None, model_parts=[model], optimizers=self.optimizers, lr_schedulers=self.schedulers,
-                states={}, sd_adapter=None, base_folder=ckpt_dir)
+                states={}, sd_adapter=Llama3StateDictAdapter(_model_config(recipe), None), base_folder=ckpt_dir)
 
     def _setup(self, backend: str, tp: int, pp: int = 1, schedule: str = "1F1B"):
         """torchtitan's configs and ``ParallelDims`` (its meshes) for this layout; the device."""
@@ -338,7 +345,7 @@ class _PipelineRun(_Run):
     parts, and ``pp_schedule.step`` over micro-batches of one sequence (the trainer's
     ``pp_forward_backward_step``)."""
 
-    def __init__(self, recipe, schedule: str, ckpt_dir: str | None = None):
+    def __init__(self, recipe, schedule: str, ckpt_dir: str | None = None, checkpoint=None):
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -378,8 +385,9 @@ class _PipelineRun(_Run):
                                                                              training_steps=16)
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=0,
-                                                         last_save_model_only=False).build(
+            checkpoint = checkpoint or CheckpointManager.Config(enable=True, folder="checkpoint", interval=1,
+                                                                keep_latest_k=0, last_save_model_only=False)
+            self.checkpointer = checkpoint.build(
                 dataloader=None, model_parts=parts, optimizers=self.optimizers, lr_schedulers=self.schedulers,
                 states={}, sd_adapter=None, base_folder=ckpt_dir)
 
@@ -515,8 +523,15 @@ def test_torchtitans_own_optimizer_over_fp8_weights_is_refused_with_the_fix():
     would its step, naming ``master_weight_adamw``."""
     from torchtitan.components.optimizer import default_adamw
 
+    from dtensor_fp8.integrations.torchtitan import FP8CheckpointManager
+
     model = _built("mxfp8")
     optimizers = default_adamw(lr=LR).build(model_parts=[model])
+    # the trainer builds its checkpointer (enabled or not) right after the optimizers: refused there
+    with pytest.raises(d.RecipeError, match=r"(?s)torchtitan's OptimizersContainer builds plain AdamW.*31 FP8 "
+                                            r"weights.*master_weight_adamw"):
+        FP8CheckpointManager.Config().build(dataloader=None, model_parts=[model], optimizers=optimizers,
+                                            lr_schedulers=None, states={}, sd_adapter=None)
     tokens = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(d.RecipeError, match="master_weight_adamw"):
         model(tokens, positions=torch.arange(8)[None])
@@ -555,3 +570,4 @@ def test_state_dict_layout_round_trips_and_refuses_another_recipe():
     prefix = "layers.0.attention.qkv_linear.wqkv."
     with pytest.raises(d.RecipeError, match=r"(?s)holds this weight in MXFP8.*Blockwise"):
         other.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)})
+

@@ -3,13 +3,15 @@
 [Note: what a torchtitan user writes]
 A job config (a ``Trainer.Config`` function, as torchtitan's ``config_registry`` modules hold)::
 
-    from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter, master_weight_adamw
+    from dtensor_fp8.integrations.torchtitan import (FP8CheckpointManager, FP8ParameterConverter,
+                                                     master_weight_adamw)
 
     def llama3_debugmodel_fp8() -> Trainer.Config:
         config = llama3_debugmodel()
         config.model_spec = model_registry("debugmodel", converters=[
             FP8ParameterConverter.Config(recipe="mxfp8", filter_fqns=["lm_head"])])
         config.optimizer = master_weight_adamw(lr=8e-4)
+        config.checkpoint = FP8CheckpointManager.Config(enable=True)   # any CheckpointManager field
         return config
 
 Everything torchtitan does after that is its own code, unchanged: the meta-device build, its
@@ -30,8 +32,15 @@ and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and i
 * :class:`MasterWeightOptimizersContainer` is torchtitan's ``OptimizersContainer`` whose optimizers
   are :class:`dtensor_fp8.MasterWeightOptimizer` over the optimizer class each param group names
   (FP32 masters of the FP8 weights; building it makes the FP8 bytes from ``init_weights``' values).
-  torchtitan's own container over FP8 parameters is refused at the first forward or
+  torchtitan's own container over FP8 parameters is refused when the trainer builds
+  :class:`FP8CheckpointManager` (right after the optimizers), else at the first forward or
   ``state_dict()``: the FP8 bytes are not made, and the error names this container.
+* :class:`FP8CheckpointManager` (``torchtitan_checkpoint.py``) is torchtitan's checkpointer that
+  starts an FP8 run from a bf16 / fp32 checkpoint (``initial_load_path``, ``initial_load_in_hf``)
+  and writes the final model-only save in high precision (``export_dtype``, ``last_save_in_hf``).
+* One FP8 converter a model: another FP8 converter applied before this one is refused at config
+  time, one applied after it at ``init_weights`` (``_FP8WeightInit``); a ``filter_fqns`` entry
+  that matches no Linear layer warns.
 * The state dict: torchtitan's checkpointer keeps ``model.state_dict()``'s entries as tensors and
   refreshes them in place (``ModelWrapper``), so an FP8 weight's entry (a dict of planes, see
   ``dtensor_fp8/state_dict.py``) appears flattened: ``<fqn>.weight.rowwise_data``,
@@ -43,6 +52,7 @@ and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and i
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,7 +69,9 @@ from ..formats import RECIPES
 from ..formats.base import RecipeError
 from ..module import quantize_module_
 from ..optim import MasterWeightOptimizer
+from ..placement import local_tensor
 from ..state_dict import RECIPE_KEY
+from ..tensor import QuantizedTensor
 
 #: length of the recipe-config field in a torchtitan state dict (the JSON, zero-padded)
 RECIPE_FIELD_BYTES = 256
@@ -121,11 +133,22 @@ class FP8ParameterConverter(QuantizationConverter):
 
     def convert(self, model_config):
         """The model config with every selected ``Linear.Config`` swapped, or a :class:`RecipeError`
-        listing every selected layer that cannot be converted (nothing is swapped then)."""
+        listing every selected layer that cannot be converted (nothing is swapped then). Refuses a
+        config another FP8 converter already converted; warns of a ``filter_fqns`` entry that
+        matches no Linear layer (its layers would silently become FP8)."""
         skip = self.config.filter_fqns
+        linears = list(model_config.traverse(Linear.Config))
+        _refuse_a_second_fp8_converter(linears)
+        for f in skip:
+            if not any(f in fqn for fqn, *_ in linears):
+                warnings.warn(
+                    f"FP8ParameterConverter: filter_fqns entry {f!r} matches no Linear layer, so it keeps none in high "
+                    f"precision (the model's Linear layers are e.g. {_examples([fqn for fqn, *_ in linears])}). Fix: "
+                    "name them as the model does (torchtitan 0.3's output head is 'lm_head', not 'output')",
+                    UserWarning, stacklevel=2)
         tied = bool(getattr(model_config, "enable_weight_tying", False))
         targets, problems = [], []
-        for fqn, linear, parent, attr in model_config.traverse(Linear.Config):
+        for fqn, linear, parent, attr in linears:
             if any(f in fqn for f in skip):
                 continue
             if type(linear) is not Linear.Config:
@@ -150,11 +173,56 @@ class FP8ParameterConverter(QuantizationConverter):
                 f"filter_fqns={skip + [problems[0].split(':')[0]]!r}.")
         for linear, parent, attr in targets:
             new = derive(linear, FP8ParameterLinear.Config, recipe=self.config.recipe)
+            if isinstance(new.param_init, dict) and "weight" in new.param_init:
+                new.param_init = {**new.param_init, "weight": _FP8WeightInit(new.param_init["weight"], self.config.recipe)}
             if isinstance(parent, list):
                 parent[attr] = new
             else:
                 setattr(parent, attr, new)
         return model_config
+
+
+#: where torchtitan's own quantized Linear configs live (Float8Linear, MXFP8Linear, NVFP4Linear)
+_TORCHTITAN_QUANTIZATION = "torchtitan.components.quantization"
+_ONE_CONVERTER = ("use one FP8 converter: FP8ParameterConverter alone (FP8 parameters, FP32 masters), or torchtitan's "
+                  "float8 / mx converter alone (high-precision parameters, FP8 GEMMs)")
+
+
+def _examples(fqns: list[str]) -> str:
+    return ", ".join(repr(f) for f in fqns[:2]) + (f", ..., {fqns[-1]!r}" if len(fqns) > 2 else "")
+
+
+def _refuse_a_second_fp8_converter(linears) -> None:
+    """An FP8 converter applied before this one: refused, naming it and the layers it converted."""
+    converted = [(fqn, type(linear)) for fqn, linear, _, _ in linears
+                 if isinstance(linear, FP8ParameterLinear.Config)
+                 or type(linear).__module__.startswith(_TORCHTITAN_QUANTIZATION)]
+    if converted:
+        kinds = sorted({kind.__qualname__ for _, kind in converted})
+        raise RecipeError(
+            f"FP8ParameterConverter: {len(converted)} Linear layers were already converted by another FP8 converter "
+            f"({', '.join(kinds)}: {_examples([fqn for fqn, _ in converted])}); {_ONE_CONVERTER}")
+
+
+class _FP8WeightInit:
+    """``param_init["weight"]`` of a Linear the converter made FP8: the model's initializer, after
+    a check that the weight it initializes is FP8. A converter applied after this one that swaps
+    the Linear's config (torchtitan's ``Float8LinearConverter`` keeps ``param_init`` and drops
+    the FP8 parameter) is caught here, at ``init_weights``, before any step."""
+
+    def __init__(self, init, recipe: str) -> None:
+        self.init, self.recipe = init, recipe
+
+    def __call__(self, param: torch.Tensor):
+        if not isinstance(local_tensor(param), QuantizedTensor):
+            raise RecipeError(
+                f"FP8ParameterConverter(recipe={self.recipe!r}) converted this Linear, but a converter applied after "
+                f"it replaced the layer (its weight is a {param.dtype} parameter of shape {tuple(param.shape)}, not "
+                f"FP8: torchtitan's Float8LinearConverter / MXFP8LinearConverter do this); {_ONE_CONVERTER}")
+        return self.init(param)
+
+    def __repr__(self) -> str:
+        return f"FP8ParameterConverter({self.recipe!r}).weight_init({self.init!r})"
 
 
 class MasterWeightOptimizersContainer(OptimizersContainer):
@@ -258,3 +326,9 @@ def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
     if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
         entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
     state_dict[key] = entry
+
+
+from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402,F401  (the checkpointer, beside the converter)
+
+__all__ = ["FP8CheckpointManager", "FP8ParameterConverter", "FP8ParameterLinear", "MasterWeightOptimizersContainer",
+           "RECIPE_FIELD_BYTES", "master_weight_adamw", "recipe_from_tensor", "recipe_tensor"]
