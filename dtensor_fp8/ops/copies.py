@@ -76,9 +76,17 @@ def _to_copy(func, args, kwargs):
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
     out = q.rebuild(planes, dtype=dtype, hp_init=hp)
     tensors = out.plane_tensors()
-    if q.holds(tensors):  # the same bytes (no device move): q under another nominal dtype
+    if q.holds(tensors) and not _module_conversion(q):  # the same bytes: q under another nominal dtype
         q.param_state.read_through_(tensors, reads_from(q))
     return out
+
+
+def _module_conversion(q: QuantizedTensor) -> bool:
+    """Whether a cast of ``q`` is a module's own parameter converted by ``model.to(dtype)`` (a
+    parameter no FSDP2 gather re-points): the cast then replaces ``q`` in the module through
+    ``torch.utils.swap_tensors``, which refuses a tensor with weak references, so the record does
+    not keep one (nothing re-points such a weight: there is nothing to read through to)."""
+    return isinstance(q, torch.nn.Parameter) and q.param_state.gather.gathering_group() is None
 
 
 def reads_from(q: QuantizedTensor) -> QuantizedTensor:
