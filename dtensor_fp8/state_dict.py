@@ -473,9 +473,13 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
         problems = [p for k, src in state_dict.items() if k in targets
                     for p in [value_problem(k, src, targets[k], where(k))] if p]
         if optimizer is not None:
-            problems += [f"the optimizer holds no master for the FP8 weight {k} (an optimizer over another model?): "
-                         "pass the MasterWeightOptimizer built over this model" for k, t in targets.items()
-                         if k in state_dict and _is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None]
+            # A weight outside the optimizer (a frozen one) has no master to follow; one whose master
+            # another optimizer holds would leave that master behind.
+            problems += [f"the FP8 weight {k}'s master is held by another MasterWeightOptimizer than the one passed "
+                         "(an optimizer over another model, or an older one?): pass the MasterWeightOptimizer that "
+                         "trains this model" for k, t in targets.items()
+                         if k in state_dict and _is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None
+                         and local_tensor(t).param_state.master_tensor() is not None]
         if strict and (missing or unexpected):
             problems.append(
                 "the source does not match the model: "

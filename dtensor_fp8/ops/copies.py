@@ -76,16 +76,22 @@ def _to_copy(func, args, kwargs):
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
     out = q.rebuild(planes, dtype=dtype, hp_init=hp)
     tensors = out.plane_tensors()
-    if q.holds(tensors) and not _module_conversion(q):  # the same bytes: q under another nominal dtype
+    if q.holds(tensors) and not never_repointed(q):  # the same bytes: q under another nominal dtype
         q.param_state.read_through_(tensors, reads_from(q))
     return out
 
 
-def _module_conversion(q: QuantizedTensor) -> bool:
-    """Whether a cast of ``q`` is a module's own parameter converted by ``model.to(dtype)`` (a
-    parameter no FSDP2 gather re-points): the cast then replaces ``q`` in the module through
-    ``torch.utils.swap_tensors``, which refuses a tensor with weak references, so the record does
-    not keep one (nothing re-points such a weight: there is nothing to read through to)."""
+def never_repointed(q: QuantizedTensor) -> bool:
+    """Whether ``q`` is a module's own parameter that no FSDP2 gather re-points (an unsharded
+    model's weight): a cast or transpose view of it then reads its own planes, which are ``q``'s,
+    and the owner record keeps no weak reference to ``q`` for it (see :func:`reads_from`).
+    ``model.to(dtype)`` replaces such a parameter through ``torch.utils.swap_tensors``, which
+    refuses a tensor with weak references.
+
+    Example:
+        >>> never_repointed(model.w1.weight)   # no fully_shard
+        True
+    """
     return isinstance(q, torch.nn.Parameter) and q.param_state.gather.gathering_group() is None
 
 
@@ -163,9 +169,9 @@ def _copy_(func, args, kwargs):
         # High precision into FP8: a write of the weight's values, through its owner (the scale
         # from the amax over the weight's groups, its master following; a meta-built weight's
         # init values awaiting their bytes). See param_writes.py.
-        from ..param_writes import write_hp_values_  # the writes layer sits above the op table
+        from ..param_writes import check_copy_source, write_hp_values_  # the writes layer sits above the op table
 
-        write_hp_values_([(None, dst, src.reshape(dst.shape))])
+        write_hp_values_([(None, dst, check_copy_source(dst, src))])
         return dst
     dst_planes = dst.planes
     if src.bytes_pending:
