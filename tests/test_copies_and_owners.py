@@ -294,3 +294,27 @@ def test_a_frozen_fp8_weight_outside_the_optimizer_loads_with_it():
     with pytest.raises(d.CheckpointError, match=r"held by another MasterWeightOptimizer"):
         d.load_hp_state_dict(other, values, optimizer=opt, strict=False)  # an optimizer over another model
     _assert_same_masters(_masters(other_opt), kept, "after the refused load")
+
+
+# ---- cross-rank errors ------------------------------------------------------------------------------------------
+def _nonfinite_init_on_one_rank(recipe_name: str) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False))
+    d.quantize_module_(model, RECIPES[recipe_name])
+    fully_shard(model, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)))
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(0)
+    for layer in model:
+        layer.reset_parameters()
+    if torch.distributed.get_rank() == 1:  # one rank's shard only
+        with torch.no_grad():
+            model[1].weight.to_local().hp_init[0, 0] = float("nan")
+    with pytest.raises(d.RecipeError, match=r"finish_init_: 1\.weight \(256, 256\).*NaN or Inf.*another rank"):
+        d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    assert all(p.to_local().bytes_pending for p in model.parameters())  # nothing was made
+
+
+@needs_two
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
+def test_a_nonfinite_init_on_one_rank_is_raised_on_every_rank(pools, recipe_name):
+    pools[2].run(_nonfinite_init_on_one_rank, recipe_name)
