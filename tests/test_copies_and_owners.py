@@ -318,3 +318,40 @@ def _nonfinite_init_on_one_rank(recipe_name: str) -> None:
 @pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
 def test_a_nonfinite_init_on_one_rank_is_raised_on_every_rank(pools, recipe_name):
     pools[2].run(_nonfinite_init_on_one_rank, recipe_name)
+
+
+# ---- two pipeline stages holding the same block -----------------------------------------------------------------
+def _stages_sharing_a_block(root: str, shared: bool) -> str | None:
+    """Each rank is a pipeline stage on its own (1-rank) dp mesh, FSDP2 over it; stage 0 holds blocks
+    0 and 1, stage 1 blocks 1 and 2 when ``shared`` (a mistake in the stage split), else 2 only."""
+    stage = torch.distributed.get_rank()
+    mesh = init_device_mesh(DEVICE, (2, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    torch.manual_seed(0)
+    blocks = nn.ModuleDict({str(i): nn.Linear(DIM, DIM, bias=False) for i in range(3)}).to(DEVICE)
+    keep = {0: ("0", "1"), 1: ("1", "2") if shared else ("2",)}[stage]
+    for name in [n for n in blocks if n not in keep]:
+        del blocks[name]
+    d.quantize_module_(blocks, RECIPES["mxfp8"])
+    for block in blocks.values():
+        fully_shard(block, mesh=mesh)
+    opt = d.MasterWeightOptimizer(blocks, torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(10 + stage)  # each stage its own data: the shared block's copies differ
+    x = torch.randn(4, DIM, generator=g).to(DEVICE)
+    for name in keep:
+        x = blocks[name](x)
+    x.square().mean().backward()
+    opt.step()
+    try:
+        d.save_checkpoint({"model": blocks.state_dict()}, root, 1)
+    except d.CheckpointError as err:
+        return str(err)
+    return None
+
+
+@needs_two
+def test_two_fsdp2_stages_holding_one_block_are_refused_at_save(pools, tmp_path):
+    errors = pools[2].run(_stages_sharing_a_block, str(tmp_path / "shared"), True)
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert "'model.1.weight" in errors[0] and "two pipeline stages holding the same block" in errors[0], errors[0]
+    assert "Nothing was written" in errors[0], errors[0]
+    assert pools[2].run(_stages_sharing_a_block, str(tmp_path / "split"), False) == [None, None]
