@@ -66,7 +66,7 @@ from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
-from .optim_masters import check_master_dtype, check_masters_linked, first_optimizers_master
+from .optim_masters import check_master_dtype, check_masters_linked, first_optimizers_master, take_masters_over
 from .optim_state import MASTER_KEY, StateView, as_global
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
@@ -164,7 +164,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
-                    local.param_state.link_master_(master)  # writes into the weight update it (param_writes.py)
                     self._masters[p] = master
                     self._inner_of[p] = _local_alias(master)
                 else:
@@ -190,6 +189,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
                             "nonfinite": nonfinite, **defaults}
         self._bound = optim_follow.snapshot(self)
+        # Built: this optimizer now owns its weights' masters (writes into the weights update them,
+        # param_writes.py); an optimizer that owned them before stops acting (optim_masters.py).
+        self._ownership = take_masters_over(self._masters, self._fqn)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     @property

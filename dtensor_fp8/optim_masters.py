@@ -76,6 +76,45 @@ def first_optimizers_master(p: torch.Tensor, local: QuantizedTensor) -> torch.Te
     return master.detach()
 
 
+class Ownership:
+    """One optimizer's claim on its masters (each master refers to it): which of its weights a
+    later optimizer took over (FQNs), so a check of it costs one attribute read per step."""
+
+    def __init__(self):
+        self.taken_over: list[str] = []
+
+
+#: the attribute of a master naming its optimizer's :class:`Ownership`
+_OWNERSHIP = "_dtensor_fp8_ownership"
+
+
+def take_masters_over(masters: dict, fqns: dict) -> Ownership:
+    """Link each weight's owner record to its new master (``FP8ParamState.link_master_``) and mark
+    the optimizer that owned the previous master as taken over (see the note). Called once the
+    new optimizer is built, so a refused construction changes no link.
+
+    Args:
+        masters: ``{FP8 parameter: its new master}``.
+        fqns: parameter -> FQN, for the old optimizer's message.
+
+    Returns:
+        The new optimizer's :class:`Ownership`.
+
+    Example:
+        >>> opt._ownership = take_masters_over(opt._masters, opt._fqn)
+    """
+    mine = Ownership()
+    for p, master in masters.items():
+        record = local_tensor(p).param_state
+        old = record.master_tensor()
+        previous = getattr(old, _OWNERSHIP, None) if old is not None else None
+        if previous is not None and previous is not mine:
+            previous.taken_over.append(fqns.get(p, "<parameter>"))
+        setattr(master, _OWNERSHIP, mine)
+        record.link_master_(master)
+    return mine
+
+
 def check_masters_linked(opt, what: str) -> None:
     """Refuse to act for ``opt`` once a later optimizer over the same weights took over their
     masters (see the note): stepping it would requantize its stale masters over the weights the
@@ -88,14 +127,16 @@ def check_masters_linked(opt, what: str) -> None:
     Example:
         >>> check_masters_linked(old_opt, "step")   # RuntimeError after a second optimizer
     """
-    stale = [p for p, m in opt._masters.items() if local_tensor(p).param_state.master_tensor() is not m]
+    ownership = opt.__dict__.get("_ownership")
+    stale = ownership.taken_over if ownership is not None else []
     if stale:
         more = f" and {len(stale) - 1} more FP8 weight(s)" if len(stale) > 1 else ""
         raise RuntimeError(
-            f"MasterWeightOptimizer.{what}: a later MasterWeightOptimizer was built over {opt._fqn_of(stale[0])}{more} "
+            f"MasterWeightOptimizer.{what}: a later MasterWeightOptimizer was built over {stale[0]}{more} "
             "and took over their masters (it started from this one's values); this optimizer's masters are stale, "
             "and stepping them would write them over the weights the newer optimizer trains. Fix: use the newer "
             "optimizer only (del this one): one MasterWeightOptimizer per model. Nothing was changed.")
 
 
-__all__ = ["MASTER_DTYPES", "check_master_dtype", "first_optimizers_master", "check_masters_linked"]
+__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master", "take_masters_over",
+           "check_masters_linked"]
