@@ -159,7 +159,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     kept = first_optimizers_master(p, local)
                     if init is not None:
                         master_local = _own_tensor(init.to(device=local.device, dtype=master_dtype), init)
-                    elif kept is not None and kept.shape == local.shape:  # a second optimizer: the first one's masters, not the FP8 rounding
+                    elif kept is not None and kept.shape == local.shape:
+                        # a second optimizer: the first one's masters, not their FP8 rounding
                         master_local = kept.to(dtype=master_dtype, copy=True)
                     else:
                         master_local = local.dequantize(master_dtype)

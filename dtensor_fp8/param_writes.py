@@ -122,7 +122,7 @@ def check_copy_source(dst: QuantizedTensor, src: torch.Tensor) -> torch.Tensor:
                 f"({dst.recipe.name}): the source must be broadcastable to the weight's shape, as torch's copy_ "
                 "requires (nothing is reshaped). Fix: pass values of the weight's shape (under FSDP2 / TP: the "
                 "DTensor, or distribute_tensor(full, weight.device_mesh, weight.placements)). Nothing was written.")
-        src = src.expand(shape)
+        src = src.expand(shape).contiguous()  # (kernels read dense rows)
     if dst.bytes_pending:  # a meta-built weight's init: finish_init_ checks its values with its bytes
         return src
     flag = (~torch.isfinite(src)).any().float().reshape(1).to(dst.device) if src.is_floating_point() \
