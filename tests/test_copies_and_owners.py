@@ -355,3 +355,15 @@ def test_two_fsdp2_stages_holding_one_block_are_refused_at_save(pools, tmp_path)
     assert "'model.1.weight" in errors[0] and "two pipeline stages holding the same block" in errors[0], errors[0]
     assert "Nothing was written" in errors[0], errors[0]
     assert pools[2].run(_stages_sharing_a_block, str(tmp_path / "split"), False) == [None, None]
+
+
+def test_a_high_precision_load_before_to_empty_names_the_cause():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, DIM, bias=False), nn.LayerNorm(DIM))
+    d.quantize_module_(model, RECIPES["mxfp8"])
+    values = {"0.weight": _values(1), "1.weight": torch.ones(DIM), "1.bias": torch.zeros(DIM)}
+    with pytest.raises(d.CheckpointError, match=r"on the meta device.*Fix: call model.to_empty\(device=\.\.\.\) first"):
+        d.load_hp_state_dict(model, values)
+    model.to_empty(device=DEVICE)
+    d.load_hp_state_dict(model, values)  # then it loads
+    assert torch.equal(model[1].weight, values["1.weight"])
