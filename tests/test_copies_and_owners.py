@@ -367,3 +367,20 @@ def test_a_high_precision_load_before_to_empty_names_the_cause():
     model.to_empty(device=DEVICE)
     d.load_hp_state_dict(model, values)  # then it loads
     assert torch.equal(model[1].weight, values["1.weight"])
+
+
+@pytest.mark.parametrize("how", ["path", "hf_reader"])
+def test_a_directory_of_pickled_hf_weights_is_named(tmp_path, how):
+    import torch.distributed.checkpoint as dcp
+
+    model = _model("mxfp8")
+    kept = _planes(model[0].weight)
+    torch.save({"0.weight": _values(1)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(d.CheckpointError, match=r"pytorch_model\.bin is a Hugging Face checkpoint in torch's pickle "
+                                                r"format.*Fix: convert it once"):
+        if how == "path":
+            d.load_hp_checkpoint(model, str(tmp_path))
+        else:
+            d.load_hp_checkpoint(model, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path)))
+    _assert_same_planes(_planes(model[0].weight), kept, "after the refused load")
