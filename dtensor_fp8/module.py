@@ -30,6 +30,7 @@ from ._compat import dtensor_local
 from .placement import local_tensor
 from .quantize import quantize
 from .requantize import AmaxReduction
+from .param_writes import CheckedToEmpty
 from .state_dict import register_state_dict_hooks
 from .tensor import QuantizedTensor
 
@@ -107,6 +108,10 @@ def quantize_module_(
         sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
         q.param_state.home = (weakref.ref(sub), "weight")  # where writes find its DTensor (groups.py)
         register_state_dict_hooks(sub)
+    if converted:
+        # The model's to_empty checks every FP8 weight before emptying anything (torch's empties
+        # module by module; see param_writes.CheckedToEmpty).
+        module.to_empty = CheckedToEmpty(module)
     return module
 
 

@@ -93,6 +93,42 @@ def write_hp_values_(items) -> None:
             q.hp_init.copy_(values)
 
 
+def to_empty_refusal(recipe_name: str, shape) -> RecipeError:
+    """The refusal of ``to_empty`` of an FP8 weight whose optimizer exists (see the note)."""
+    return RecipeError(
+        f"{recipe_name}: to_empty (empty_like) of an FP8 weight of shape {tuple(shape)} whose MasterWeightOptimizer "
+        "exists: it would replace the weight's FP8 bytes with zeros while its master kept the old values. Fix: call "
+        "model.to_empty(device=...) and initialize the weights before building the MasterWeightOptimizer; to load "
+        "new values into a trained model, use weight.copy_(values) or dtensor_fp8.load_hp_state_dict / "
+        "load_checkpoint (the masters follow)")
+
+
+class CheckedToEmpty:
+    """A model's ``to_empty(device=...)`` that checks first: refused, with nothing emptied, if an
+    FP8 weight of the model has an optimizer master (torch's ``to_empty`` empties module by
+    module, so the refusal at the first such weight came after the modules before it were
+    emptied). ``quantize_module_`` sets it as the quantized model's ``to_empty``; an object rather
+    than a bound method, so a deep copy or a pickle of the model carries it, bound to the copy.
+
+    Args:
+        module: the model.
+
+    Example:
+        >>> model.to_empty(device="cuda")   # RecipeError once a MasterWeightOptimizer exists
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *, device, recurse: bool = True) -> torch.nn.Module:
+        module = self.module
+        for p in (module.parameters() if recurse else module.parameters(recurse=False)):
+            q = local_tensor(p)
+            if isinstance(q, QuantizedTensor) and q.param_state.master_tensor() is not None:
+                raise to_empty_refusal(q.recipe.name, p.shape)
+        return type(module).to_empty(module, device=device, recurse=recurse)
+
+
 def check_copy_source(dst: QuantizedTensor, src: torch.Tensor) -> torch.Tensor:
     """``src`` as the values of ``dst.copy_(src)``, by torch's rules for ``copy_``, and the
     library's for values: broadcast to ``dst``'s shape where torch would (a ``(256,)`` row into a
@@ -176,4 +212,4 @@ def master_loaded_(masters) -> None:
         local_tensor(p).param_state.master_loaded = True
 
 
-__all__ = ["write_hp_values_", "check_copy_source", "masters_follow_loaded_bytes_", "master_loaded_"]
+__all__ = ["write_hp_values_", "check_copy_source", "CheckedToEmpty", "to_empty_refusal", "masters_follow_loaded_bytes_", "master_loaded_"]

@@ -147,6 +147,7 @@ def test_torch_save_of_a_model_round_trips(recipe_name):
         record = loaded[i].weight.param_state
         assert record.master_tensor() is None and record.home_parameter() is loaded[i].weight
     assert torch.equal(loaded(torch.ones(2, DIM, device=DEVICE)), model(torch.ones(2, DIM, device=DEVICE)))
+    assert loaded.to_empty.module is loaded  # the checked to_empty, bound to the loaded model
     opt_loaded = d.MasterWeightOptimizer(loaded, torch.optim.AdamW, lr=1e-2)
     _step(loaded, opt_loaded)  # trains on its own
 
@@ -384,3 +385,24 @@ def test_a_directory_of_pickled_hf_weights_is_named(tmp_path, how):
         else:
             d.load_hp_checkpoint(model, storage_reader=dcp.HuggingFaceStorageReader(str(tmp_path)))
     _assert_same_planes(_planes(model[0].weight), kept, "after the refused load")
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "mxfp8"])
+def test_to_empty_after_the_optimizer_is_refused_before_emptying_anything(recipe_name):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.LayerNorm(DIM), nn.Linear(DIM, DIM, bias=False)).to(DEVICE)
+    d.quantize_module_(model, RECIPES[recipe_name], filter_fn=lambda m, fqn: fqn == "2")  # layer 0 stays fp32
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    _step(model, opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not isinstance(p, d.QuantizedTensor)}
+    kept, masters = _planes(model[2].weight), _masters(opt)
+    with pytest.raises(d.RecipeError, match=r"to_empty.*MasterWeightOptimizer exists.*Fix"):
+        model.to_empty(device=DEVICE)
+    for n, p in model.named_parameters():  # the modules before the FP8 weight too
+        if n in before:
+            assert torch.equal(p.detach(), before[n]), f"{n} was emptied by a refused to_empty"
+    _assert_same_planes(_planes(model[2].weight), kept, "the FP8 weight after a refused to_empty")
+    _assert_same_masters(_masters(opt), masters, "after a refused to_empty")
+    ema = copy.deepcopy(model)  # the copy's to_empty is the copy's own (no master: it empties)
+    ema.to_empty(device=DEVICE)
+    assert model.to_empty.module is model and ema.to_empty.module is ema

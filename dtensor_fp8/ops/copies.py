@@ -143,14 +143,11 @@ def _zeros_like(func, args, kwargs):
     q = args[0]
     _check_nominal_dtype(q, kwargs.get("dtype"), func)
     if func is aten.empty_like.default and q.param_state.master_tensor() is not None:
-        # ``module.to_empty`` (its only caller on a parameter): see param_writes.py's note.
-        raise RecipeError(
-            f"{q.recipe.name}: to_empty (empty_like) of an FP8 weight of shape {tuple(q.shape)} whose "
-            "MasterWeightOptimizer exists: it would replace the weight's FP8 bytes with zeros while its master kept "
-            "the old values (parameters visited before this one may already be emptied). Fix: call "
-            "model.to_empty(device=...) and initialize the weights before building the MasterWeightOptimizer; to "
-            "load new values into a trained model, use weight.copy_(values) or dtensor_fp8.load_hp_state_dict / "
-            "load_checkpoint (the masters follow)")
+        # ``module.to_empty`` (its only caller on a parameter) of a module quantize_module_ did not
+        # see (the model checks first: param_writes.CheckedToEmpty).
+        from ..param_writes import to_empty_refusal  # the writes layer sits above the op table
+
+        raise to_empty_refusal(q.recipe.name, q.shape)
     return zeros_like_quantized(q, list(q.shape), kwargs.get("device"))
 
 
