@@ -51,6 +51,19 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def dtensor_chunk_offset(t) -> tuple[int, ...]:
+    """Where a DTensor's local chunk starts in the global tensor, per dim (DTensor's own rule,
+    uneven shards included).
+
+    Example:
+        >>> dtensor_chunk_offset(w)   # rank 1 of 2, Shard(0) of (256, 256)
+        (128, 0)
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)[1])
+
+
 @functools.cache
 def strided_shard_class() -> type:
     """``_StridedShard``: FSDP's dim-0 placement of a tensor-parallel parameter on a (dp, tp) mesh

@@ -30,6 +30,7 @@ from ._compat import dtensor_local
 from .placement import local_tensor
 from .quantize import quantize
 from .requantize import AmaxReduction
+from .param_writes import CheckedToEmpty
 from .state_dict import register_state_dict_hooks
 from .tensor import QuantizedTensor
 
@@ -107,6 +108,10 @@ def quantize_module_(
         sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
         q.param_state.home = (weakref.ref(sub), "weight")  # where writes find its DTensor (groups.py)
         register_state_dict_hooks(sub)
+    if converted:
+        # The model's to_empty checks every FP8 weight before emptying anything (torch's empties
+        # module by module; see param_writes.CheckedToEmpty).
+        module.to_empty = CheckedToEmpty(module)
     return module
 
 
@@ -175,6 +180,22 @@ def _why_not_quantizable(name: str, weight: torch.Tensor, recipe: Recipe, places
     return None
 
 
+def _refuse_nonfinite_init(pending: list) -> None:
+    """Raise on every rank of the weights' meshes if any rank's shard of a pending weight holds NaN
+    or Inf (a NaN in one rank's shard: the others would otherwise wait in the amax reduction and
+    see only "connection closed"); one flag all-reduced per mesh group, names gathered only then."""
+    bad = [f"{name} {tuple(p.shape)}" for name, p, q in pending if not bool(torch.isfinite(q.hp_init).all())]
+    mesh = groups.mesh_groups([p for _, p, _ in pending])
+    device = pending[0][2].hp_init.device if pending else torch.device("cpu")
+    if mesh and bool(groups.max_over_(torch.tensor([float(bool(bad))], device=device), mesh).item()):
+        bad = groups.union_over(bad, mesh)
+    if bad:
+        raise RecipeError(
+            f"finish_init_: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} hold(s) NaN or Inf after your init (on "
+            "this rank's shard or another rank's): FP8 cannot store them faithfully. Fix the init (or the pretrained "
+            "values written into the weight); nothing was made: the weights still wait for their bytes")
+
+
 @torch.no_grad()
 def finish_init_(model: nn.Module) -> list[str]:
     """Make the FP8 bytes of every weight built on the meta device from the values your init
@@ -212,9 +233,7 @@ def finish_init_(model: nn.Module) -> list[str]:
         if q.is_meta or q.hp_init.is_meta:
             raise RecipeError(f"finish_init_: {name} is still on the meta device; call model.to_empty(device=...) "
                               "and initialize the weights first")
-        if not bool(torch.isfinite(q.hp_init).all()):
-            raise RecipeError(f"finish_init_: {name} {tuple(q.shape)} holds NaN or Inf after your init: FP8 cannot store "
-                              "them faithfully; fix the init")
+    _refuse_nonfinite_init(pending)
     # Per-block amaxes; those of blocks spanning a sharded dim (per-tensor scales) or split between
     # shards are reduced over the mesh dims sharding them (requantize.AmaxReduction, groups.py), one
     # all-reduce per group for all weights.

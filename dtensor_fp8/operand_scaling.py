@@ -2,7 +2,8 @@
 
 [Note: when operand amaxes are reduced and scales updated]
 A delayed-scaling FP8 GEMM casts its activation (or output gradient) with the scale its history
-gave so far and records the local amax in ``history[0]`` (a running max). Transformer Engine then
+gave so far (before the first update: a power of two from the tensor's own amax, see
+``formats/per_tensor.py``) and records the local amax in ``history[0]`` (a running max). Transformer Engine then
 reduces the recorded amaxes over its amax reduction group and rolls the histories once per
 autocast region. Here that happens once per optimizer step (``MasterWeightOptimizer.step`` calls
 :func:`update_operand_scaling_` before requantizing), or whenever the caller asks:

@@ -66,11 +66,11 @@ from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
+from .optim_masters import check_master_dtype, check_masters_linked, first_optimizers_master, take_masters_over
 from .optim_state import MASTER_KEY, StateView, as_global
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
 
-_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NONFINITE = ("raise", "skip", "ignore")
 
 
@@ -90,6 +90,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     and optimizer state at 2 + 4 bytes, the precision a model trained with bf16 parameters has,
     and hands FSDP's bf16 gradient to the optimizer without a copy.
 
+    [Note: a second optimizer]
+    One ``MasterWeightOptimizer`` owns a weight's master at a time. Building another over weights
+    whose master a live optimizer holds (a rebuilt optimizer: new groups, another optimizer class)
+    starts the new masters from the first one's values, in the new ``master_dtype`` (not from the
+    FP8 bytes, which lose about 4 % of a block's amax), with fresh optimizer state; the first
+    optimizer then refuses ``step``, ``requantize_`` and ``load_state_dict``, naming the newer one.
+
     Args:
         model: the (sharded) model; build the optimizer after ``fully_shard``.
         optimizer_cls: e.g. ``torch.optim.AdamW``.
@@ -97,7 +104,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             (default: every parameter of ``model``, one group). FP8 and high-precision
             parameters may share a group.
         master_dtype: dtype of the masters (and so of the optimizer state): ``torch.float32``
-            (default), ``torch.bfloat16`` or ``torch.float16``.
+            (default) or ``torch.bfloat16``; ``torch.float16`` is refused (Adam's state underflows
+            in it: NaN masters at the first step).
         cuda_graph: replay the requantization after each step as a CUDA graph where possible
             (see ``requantize.GraphedRequantize``); ``False`` issues it op by op every step.
         nonfinite: what ``step()`` does when a gradient holds NaN or Inf (on any rank; see the
@@ -120,9 +128,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer_cls: type, params: Iterable | None = None, *,
                  master_dtype: torch.dtype = torch.float32, cuda_graph: bool = True, nonfinite: str = "raise",
                  **defaults: Any):
-        if master_dtype not in _MASTER_DTYPES:
-            raise ValueError(f"MasterWeightOptimizer: master_dtype={master_dtype} is not a floating dtype for "
-                             f"master weights; use one of {_MASTER_DTYPES} (torch.float32 unless memory is short)")
+        check_master_dtype(master_dtype)
         if isinstance(optimizer_cls, torch.optim.Optimizer) or not (
                 isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"MasterWeightOptimizer: optimizer_cls must be a torch.optim.Optimizer class such as "
@@ -150,12 +156,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
                 if isinstance(local, QuantizedTensor):
                     init = local.take_hp_init()
+                    kept = first_optimizers_master(p, local)
                     if init is not None:
                         master_local = _own_tensor(init.to(device=local.device, dtype=master_dtype), init)
+                    elif kept is not None and kept.shape == local.shape:
+                        # a second optimizer: the first one's masters, not their FP8 rounding
+                        master_local = kept.to(dtype=master_dtype, copy=True)
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
-                    local.param_state.link_master_(master)  # writes into the weight update it (param_writes.py)
                     self._masters[p] = master
                     self._inner_of[p] = _local_alias(master)
                 else:
@@ -181,6 +190,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
                             "nonfinite": nonfinite, **defaults}
         self._bound = optim_follow.snapshot(self)
+        # Built: this optimizer now owns its weights' masters (writes into the weights update them,
+        # param_writes.py); an optimizer that owned them before stops acting (optim_masters.py).
+        self._ownership = take_masters_over(self._masters, self._fqn)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     @property
@@ -241,6 +253,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             The closure's loss, or ``None``.
         """
         self._follow_model()
+        self._check_masters_linked("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -313,6 +326,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             state_dict: from :meth:`state_dict` (or torch's DCP helpers).
         """
         self._follow_model()
+        self._check_masters_linked("load_state_dict")
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -366,6 +380,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def requantize_(self) -> None:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
+        self._check_masters_linked("requantize_")
         self._requantize([(self._fqn[p], p, self._inner_of[p]) for p in self._masters])
 
     def __repr__(self) -> str:
@@ -376,6 +391,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     # ---- internals -----------------------------------------------------------------------------------
     def _fqn_of(self, p) -> str:
         return self._fqn.get(p, "<parameter>")
+
+    def _check_masters_linked(self, what: str) -> None:
+        """Refuse to act once a later optimizer took over these masters (optim_masters.py)."""
+        check_masters_linked(self, what)
 
     def _sync_hyperparameters(self) -> None:
         """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""

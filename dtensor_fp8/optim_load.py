@@ -11,7 +11,8 @@ the gradients. So, in two rounds, each ending in one gather of every rank's find
 parameters' group (``agreement.py``), so that every rank raises or none does:
 
 1. from what every rank sees alike: the param groups match; every trainable FP8 parameter has a
-   master; every master, moment and scaling state is a tensor of a floating dtype where this
+   master; a parameter's saved state holds every key this optimizer's state holds for it (or no
+   state at all: it starts afresh, as in torch); every master, moment and scaling state is a tensor of a floating dtype where this
    optimizer holds a floating tensor, of the parameter's global shape (a DTensor, or a full
    tensor each rank slices; never a tensor of the local shard's shape, which cannot be told from
    a smaller full tensor) where the state is shaped like the parameter, of this optimizer's own
@@ -146,6 +147,13 @@ def _check_layout(opt, state_dict: dict) -> tuple[list, dict]:
                 for p in opt._masters if p.requires_grad and MASTER_KEY not in states.get(p, {})]
     current = _current_states(opt)
     for p, saved in states.items():
+        # A parameter's state is whole or absent: a step needs every key (a state missing
+        # ``exp_avg_sq`` used to load, then failed the next step with a bare KeyError).
+        lacking = sorted(k for k in opt._inner.state.get(opt._inner_of[p], {}) if k not in saved)
+        if lacking:
+            findings.append(("missing", f"the state of {opt._fqn_of(p)} lacks {', '.join(map(repr, lacking))} (it holds "
+                                        f"{', '.join(map(repr, sorted(saved))) or 'nothing'}), which this "
+                                        f"{type(opt._inner).__name__} needs at every step"))
         for key, value in saved.items():
             scaling = p in opt._masters and key.startswith(SCALING_PREFIXES)
             if scaling and key not in current[p]:
@@ -213,7 +221,9 @@ def _refuse(findings: list) -> None:
     kinds = {kind for kind, _ in findings}
     error = _ERRORS[kinds.pop()] if len(kinds) == 1 else ValueError
     texts = [text for _, text in findings]
-    fix = {FloatingPointError: " Fix: load an earlier checkpoint (or build the optimizer with nonfinite='ignore' to "
+    fix = {KeyError: " Fix: load the whole state dict a MasterWeightOptimizer over this model saved (every state "
+                     "key of every parameter it holds state for).",
+           FloatingPointError: " Fix: load an earlier checkpoint (or build the optimizer with nonfinite='ignore' to "
                                "load it anyway).",
            ValueError: " Fix: load the state dict of a MasterWeightOptimizer over this model, saved as it is built "
                        "(the same parameters, shapes and groups)."}.get(error, "")

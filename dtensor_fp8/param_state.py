@@ -76,6 +76,7 @@ world size, and a resumed run continue bit-identically.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 
@@ -248,6 +249,39 @@ class FP8ParamState:
     #: GEMM transpose view made of that tensor: a GEMM on a tensor holding those plane tensors reads
     #: the planes that tensor holds by then (see :meth:`read_through_` and ``ops/copies.reads_from``)
     read_through: list = field(default_factory=list)
+
+    # [Note: a copied or pickled record]
+    # ``copy.deepcopy(model)`` (an EMA or evaluation copy) deep-copies each weight's record with
+    # it. A copy owns its own state: its scaling states are new tensors, and it links to no master
+    # (the optimizer's masters belong to the original's optimizer: a write into the copy must not
+    # move them), no FSDP2 gather and no cast of the original; its ``home`` is the copied module
+    # (the original's when copied alone: ``None``). An optimizer built over the copy starts its
+    # masters from the copy's FP8 bytes (or its init values, if the copy was made before any
+    # optimizer). Pickling (``torch.save(model)``) keeps the same and no weak reference: ``home``
+    # is pickled as the module itself and weakly referenced again when loaded.
+    def __deepcopy__(self, memo: dict) -> "FP8ParamState":
+        copied = FP8ParamState(
+            weight_scaling=copy.deepcopy(self.weight_scaling, memo),
+            operand_scaling=copy.deepcopy(self.operand_scaling, memo),
+            layout=self.layout, bytes_pending=self.bytes_pending, init_written=self.init_written)
+        memo[id(self)] = copied
+        module = None if self.home is None else self.home[0]()
+        twin = memo.get(id(module)) if module is not None else None
+        if twin is not None:
+            copied.home = (weakref.ref(twin), self.home[1])
+        return copied
+
+    def __getstate__(self) -> dict:
+        module = None if self.home is None else self.home[0]()
+        return {"weight_scaling": self.weight_scaling, "operand_scaling": self.operand_scaling,
+                "layout": self.layout, "bytes_pending": self.bytes_pending, "init_written": self.init_written,
+                "home": None if module is None else (module, self.home[1])}
+
+    def __setstate__(self, state: dict) -> None:
+        home = state.pop("home")
+        self.__init__(**state)
+        if home is not None:
+            self.home = (weakref.ref(home[0]), home[1])
 
     def link_master_(self, master: torch.Tensor) -> None:
         """Record ``master`` (an ``nn.Parameter``, a DTensor like the weight when sharded) as the

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from .formats.base import RecipeError
+from .groups import max_over_, mesh_groups
 from .placement import local_tensor
 from .requantize import requantize_from_hp_
 from .tensor import QuantizedTensor
@@ -92,6 +93,86 @@ def write_hp_values_(items) -> None:
             q.hp_init.copy_(values)
 
 
+def to_empty_refusal(recipe_name: str, shape) -> RecipeError:
+    """The refusal of ``to_empty`` of an FP8 weight whose optimizer exists (see the note)."""
+    return RecipeError(
+        f"{recipe_name}: to_empty (empty_like) of an FP8 weight of shape {tuple(shape)} whose MasterWeightOptimizer "
+        "exists: it would replace the weight's FP8 bytes with zeros while its master kept the old values. Fix: call "
+        "model.to_empty(device=...) and initialize the weights before building the MasterWeightOptimizer; to load "
+        "new values into a trained model, use weight.copy_(values) or dtensor_fp8.load_hp_state_dict / "
+        "load_checkpoint (the masters follow)")
+
+
+class CheckedToEmpty:
+    """A model's ``to_empty(device=...)`` that checks first: refused, with nothing emptied, if an
+    FP8 weight of the model has an optimizer master (torch's ``to_empty`` empties module by
+    module, so the refusal at the first such weight came after the modules before it were
+    emptied). ``quantize_module_`` sets it as the quantized model's ``to_empty``; an object rather
+    than a bound method, so a deep copy or a pickle of the model carries it, bound to the copy.
+
+    Args:
+        module: the model.
+
+    Example:
+        >>> model.to_empty(device="cuda")   # RecipeError once a MasterWeightOptimizer exists
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __call__(self, *, device, recurse: bool = True) -> torch.nn.Module:
+        module = self.module
+        for p in (module.parameters() if recurse else module.parameters(recurse=False)):
+            q = local_tensor(p)
+            if isinstance(q, QuantizedTensor) and q.param_state.master_tensor() is not None:
+                raise to_empty_refusal(q.recipe.name, p.shape)
+        return type(module).to_empty(module, device=device, recurse=recurse)
+
+
+def check_copy_source(dst: QuantizedTensor, src: torch.Tensor) -> torch.Tensor:
+    """``src`` as the values of ``dst.copy_(src)``, by torch's rules for ``copy_``, and the
+    library's for values: broadcast to ``dst``'s shape where torch would (a ``(256,)`` row into a
+    ``(256, 256)`` weight), refused with torch's error where it would not (a ``(128, 512)`` source
+    is not reshaped into a ``(256, 256)`` weight), and refused if any value is NaN or Inf on any
+    rank holding the weight (a NaN would turn its block to 0x7F, and the master with it). Checked
+    before anything is written; the non-finite decision is all-reduced over the weight's mesh
+    groups, so every rank of a sharded weight raises alike (none waits in the write's amax
+    reduction).
+
+    Args:
+        dst: the FP8 weight (this rank's local tensor).
+        src: the high-precision source (this rank's part, as ``copy_`` into a DTensor passes it).
+
+    Example:
+        >>> weight.copy_(torch.randn(256))   # broadcast over the rows, as plain torch does
+    """
+    shape, given = tuple(dst.shape), tuple(src.shape)
+    if given != shape:
+        try:
+            fits = torch.broadcast_shapes(given, shape) == torch.Size(shape)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise RuntimeError(
+                f"copy_: a source of shape {given} cannot be copied into an FP8 weight of shape {shape} "
+                f"({dst.recipe.name}): the source must be broadcastable to the weight's shape, as torch's copy_ "
+                "requires (nothing is reshaped). Fix: pass values of the weight's shape (under FSDP2 / TP: the "
+                "DTensor, or distribute_tensor(full, weight.device_mesh, weight.placements)). Nothing was written.")
+        src = src.expand(shape).contiguous()  # (kernels read dense rows)
+    if dst.bytes_pending:  # a meta-built weight's init: finish_init_ checks its values with its bytes
+        return src
+    flag = (~torch.isfinite(src)).any().float().reshape(1).to(dst.device) if src.is_floating_point() \
+        else torch.zeros(1, device=dst.device)
+    if bool(max_over_(flag, mesh_groups([dst])).item()):
+        raise FloatingPointError(
+            f"copy_: the values copied into an FP8 weight of shape {shape} ({dst.recipe.name}) hold NaN or Inf (on "
+            "this rank or another holding the weight): as FP8 bytes and master they would poison training (a NaN "
+            "turns its block or tensor to 0x7F), so they are refused. Fix: repair the values (e.g. "
+            "torch.nan_to_num); a checkpoint's weights: dtensor_fp8.load_hp_state_dict(..., allow_nonfinite=True) "
+            "loads them anyway. Nothing was written.")
+    return src
+
+
 def _check_master_covers(name, q: QuantizedTensor) -> None:
     master = q.param_state.master_tensor()
     if master is not None and tuple(local_tensor(master).shape) != tuple(q.shape):
@@ -131,4 +212,4 @@ def master_loaded_(masters) -> None:
         local_tensor(p).param_state.master_loaded = True
 
 
-__all__ = ["write_hp_values_", "masters_follow_loaded_bytes_", "master_loaded_"]
+__all__ = ["write_hp_values_", "check_copy_source", "CheckedToEmpty", "to_empty_refusal", "masters_follow_loaded_bytes_", "master_loaded_"]

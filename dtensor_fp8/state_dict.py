@@ -477,12 +477,22 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
     unexpected = sorted(k for k in state_dict if k not in targets)
 
     def check() -> None:  # what every rank sees alike: keys, kinds, dtypes, global shapes
+        on_meta = [k for k, t in targets.items()
+                   if k in state_dict and isinstance(t, torch.Tensor) and local_tensor(t).is_meta]
+        if on_meta:
+            raise CheckpointError(
+                f"the model's {_shown(on_meta)} {'is' if len(on_meta) == 1 else 'are'} on the meta device (not "
+                "allocated yet), so there is nothing to load the values into. Fix: call model.to_empty(device=...) "
+                "first, then load (the loaded weights need no init of their own)")
         problems = [p for k, src in state_dict.items() if k in targets
                     for p in [value_problem(k, src, targets[k], where(k))] if p]
         if optimizer is not None:
-            problems += [f"the optimizer holds no master for the FP8 weight {k} (an optimizer over another model?): "
-                         "pass the MasterWeightOptimizer built over this model" for k, t in targets.items()
-                         if k in state_dict and _is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None]
+            # (a weight outside the optimizer, a frozen one, has no master to follow)
+            problems += [f"the FP8 weight {k}'s master is held by another MasterWeightOptimizer than the one passed "
+                         "(an optimizer over another model, or an older one?): pass the MasterWeightOptimizer that "
+                         "trains this model" for k, t in targets.items()
+                         if k in state_dict and _is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None
+                         and local_tensor(t).param_state.master_tensor() is not None]
         if strict and (missing or unexpected):
             problems.append(
                 "the source does not match the model: "

@@ -73,6 +73,27 @@ def test_a_second_live_job_is_refused_on_every_rank_before_writing(pools, tmp_pa
 
 
 @needs_two
+@single
+def test_a_copied_roots_claim_is_not_a_live_job(pools, tmp_path):
+    """A root copied while its job runs (``cp -r``) keeps that job's ``.owner``; another job saving
+    into the copy takes the copied claim over at once, saying why, and the first job saves on into
+    its own root."""
+    root, copy = str(tmp_path / "ckpt"), str(tmp_path / "ckpt-copy")
+    assert pools[1].run(_save_value, root, 1) == [(None, [])]
+    shutil.copytree(root, copy)
+    results = pools[WORLD].run(_save_value, copy, 2)
+    assert all(error is None for error, _ in results), results
+    assert any(f"took over checkpoint root {copy}" in w and "copied here with the checkpoint" in w
+               for w in results[0][1]), results[0][1]
+    with open(os.path.join(copy, owner.OWNER_FILE)) as f:
+        assert json.load(f)["pid"] == pools[WORLD].pids[0]
+    assert _value_of(d.latest_checkpoint(copy)) == 1.0
+    assert pools[1].run(_save_value, root, 2) == [(None, [])]  # the original job's root is still its own
+    with open(os.path.join(root, owner.OWNER_FILE)) as f:
+        assert json.load(f)["pid"] == pools[1].pids[0]
+
+
+@needs_two
 def test_a_killed_jobs_claim_is_taken_over(pools, tmp_path):
     """A job SIGKILLed in the middle of its saves leaves its claim and a partial directory: the next
     job takes the root over at once (the claim's process is gone from this host), says so, and

@@ -10,6 +10,7 @@ kernel of ``scaled_mm``), and the MXFP8 swizzle against cuBLAS' layout formula.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -109,8 +110,15 @@ def test_fp8_linear_agrees_with_the_emulated_linear():
             torch.testing.assert_close(got / s, ref / s, rtol=0.125, atol=0.0675)
 
 
+def _first_scale_inv(amax: float, fp8_max: float) -> float:
+    """The first cast's scale_inv: a power of two from the tensor's own amax (TE: 1.0; see "the
+    first operand scale" in formats/per_tensor.py)."""
+    return 1.0 / 2.0 ** math.floor(math.log2(fp8_max / amax))
+
+
 def test_delayed_scaling_keeps_te_amax_history_per_weight():
-    """Step 1 casts x with TE's initial scale 1.0 and records its amax; the next step's scale is
+    """Step 1 casts x with a power of two from its own amax (TE's initial scale is 1.0, which puts
+    small gradients into E5M2's subnormals) and records its amax; the next step's scale is
     fp8_max / max(history) (TE's update, here once per step: update_operand_scaling_). A second
     forward before the update (a recompute, a micro-batch) casts with the same scale."""
     recipe = d.DelayedScaling(amax_history_len=4)
@@ -124,18 +132,18 @@ def test_delayed_scaling_keeps_te_amax_history_per_weight():
             if step == 0:  # the same step again: recorded, not yet updated
                 F.linear(xs, q).backward(dy)
             assert d.update_operand_scaling_([q]) == 2
+    amax = [float((x * (s + 1)).float().abs().max()) for s in range(3)]
     before = [e["a"].scale_inv.item() for e in log if e["gemm"] == "fprop"]
-    assert before[0] == before[1] == 1.0
+    assert before[0] == before[1] == _first_scale_inv(amax[0], 448.0)
     del log[0:3]  # the repeated forward's fprop, dgrad and wgrad
     scales = [e["a"].scale_inv.item() for e in log if e["gemm"] == "fprop"]
-    amax = [float((x * (s + 1)).float().abs().max()) for s in range(3)]
-    assert scales[0] == 1.0
+    assert scales[0] == _first_scale_inv(amax[0], 448.0)
     assert scales[1] == pytest.approx(max(amax[:1]) / 448.0, rel=1e-6)
     assert scales[2] == pytest.approx(max(amax[:2]) / 448.0, rel=1e-6)
     states = gemm.operand_states(q)
     assert states["input"]["amax_history"].shape == (4,) and states["grad"]["amax_history"].shape == (4,)
     grad_scales = [e["a"].scale_inv.item() for e in log if e["gemm"] == "dgrad"]
-    assert grad_scales[0] == 1.0 and grad_scales[1] == pytest.approx(float(dy.float().abs().max()) / 57344.0, rel=1e-6)
+    assert grad_scales[0] == _first_scale_inv(float(dy.float().abs().max()), 57344.0) and grad_scales[1] == pytest.approx(float(dy.float().abs().max()) / 57344.0, rel=1e-6)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -126,9 +126,34 @@ def _files_of(metadata: Metadata, base: str) -> Callable[[str], str]:
     return lambda key: f" in {', '.join(sorted(files[key]))}" if key in files else ""
 
 
+def _pickled_weights_only(directory: str) -> str | None:
+    """The ``*.bin`` weights file of a directory holding a Hugging Face checkpoint in torch's pickle
+    format only (no ``.metadata``, no ``*.safetensors``), or None."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    if METADATA_FILE in names or any(n.endswith(".safetensors") for n in names):
+        return None
+    bins = sorted(n for n in names if n.endswith(".bin") and n.startswith("pytorch_model"))
+    return os.path.join(directory, bins[0]) if bins else None
+
+
+def _pickled_weights_error(file: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} is a Hugging Face checkpoint in torch's pickle format, and its directory holds no DCP checkpoint "
+        "and no safetensors files: load_hp_checkpoint reads DCP directories and safetensors (storage_reader="
+        "HuggingFaceStorageReader(dir)), never pickles (unpickling runs code). Fix: convert it once "
+        "(safetensors.torch.save_file(torch.load(file, weights_only=True), 'model.safetensors')), or "
+        "torch.load(file, weights_only=True) yourself and pass the dict to dtensor_fp8.load_hp_state_dict")
+
+
 def _open(path: str | None, reader: StorageReader | None, verify: bool | None) -> _Source:
     if path is not None:
         path = os.fspath(path)
+        pickled = _pickled_weights_only(path)
+        if pickled is not None:
+            raise _pickled_weights_error(pickled)
         check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
         metadata = read_metadata(path)
         check_files(path, metadata)
@@ -151,11 +176,17 @@ def _open(path: str | None, reader: StorageReader | None, verify: bool | None) -
         metadata = reader.read_metadata()
     except Exception as err:  # noqa: BLE001  (a damaged file: name it)
         raise CheckpointError(_unreadable_source(reader, base, err)) from None
+    pickled = _pickled_weights_only(base) if not metadata.state_dict_metadata and os.path.isdir(base) else None
+    if pickled is not None:  # (a safetensors reader finds no entries in a directory of pickles)
+        raise _pickled_weights_error(pickled)
     return _Source(reader, metadata, _files_of(metadata, base))
 
 
 def _unreadable_source(reader: StorageReader, base: str, err: BaseException) -> str:
     cause = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    pickled = _pickled_weights_only(base) if base and os.path.isdir(base) else None
+    if pickled is not None:
+        return str(_pickled_weights_error(pickled))
     broken = _broken_safetensors(base) if base and os.path.isdir(base) else None
     if broken is not None:
         file, why = broken

@@ -26,6 +26,11 @@ A save that finds another job's claim decides whether that job is alive:
   is refused on every rank naming the file, its date and the clocks (a heartbeat an hour ahead
   would otherwise hold the save for that hour while the other ranks time out).
 
+A claim copied with the root (``cp -r ckpt ckpt2`` while the job runs) names a live job that
+never saved into the copy: each claim records the inode of the directory it was made in (the
+same on every host mounting the file system), and a claim made in another directory is taken
+over at once, as a dead job's is.
+
 A dead job's claim is taken over: renamed aside (one rename: of several contenders, one wins),
 checked to be the claim judged dead, removed, and replaced by this job's own; a claim another
 contender took in between is put back. The owner checks its claim again before each commit: a job
@@ -122,9 +127,26 @@ def _read(file: str) -> tuple[dict | None, int | None]:
     return record, mtime
 
 
+def _root_id(root: str) -> int:
+    """The root directory's inode number: the same for the directory on every host that mounts its
+    file system, another for a copy of it (see "a copied root" in the note)."""
+    return os.stat(root).st_ino
+
+
+def _copied_from_elsewhere(root: str, other: dict) -> str | None:
+    """Why the claim ``other`` in ``root`` is not a claim on ``root`` (it was copied here with the
+    root's files), or None."""
+    claimed = other.get("root_id")
+    if isinstance(claimed, int) and claimed != _root_id(root):
+        return (f"its claim was made on another directory (inode {claimed}, this root's is {_root_id(root)}) and "
+                f"copied here with the checkpoint (a copied root keeps the {OWNER_FILE} file of the job that saved it)")
+    return None
+
+
 def _create(root: str, file: str, me: dict) -> bool:
     """Claim ``root`` if nobody has: False if the claim file exists."""
     tmp = os.path.join(root, f"{OWNER_FILE}.{me['job']}.tmp")
+    me = {**me, "root_id": _root_id(root)}
     with open(tmp, "w") as f:
         json.dump(me, f)
         f.flush()
@@ -236,15 +258,16 @@ def acquire(root: str) -> None:
             return
         if other is None:
             continue
-        if other.get("job") == me["job"]:
+        copied = _copied_from_elsewhere(root, other)
+        if other.get("job") == me["job"] and copied is None:
             os.utime(file)
             _hold(key, file)
             return
-        if key in _held:
+        if key in _held and copied is None:
             with _mutex:
                 _held.pop(key, None)
             raise _taken_over(root, other)
-        reason = _dead_because(root, file, other, mtime)
+        reason = copied or _dead_because(root, file, other, mtime)
         if reason is None:
             beat, stale = settings()
             raise CheckpointError(

@@ -143,7 +143,7 @@ def _check_before_save(state_dict: dict, allow_nonfinite: bool, group) -> dict:
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if not several:
         return {}
-    digests = replica_digests(state_dict)
+    digests = replica_digests(state_dict, dist.get_world_size(group))
     for key in param_lists(state_dict):  # each optimizer's own (pipeline stages): see param_groups.py's note
         digests.pop(key, None)
     return digests

@@ -27,7 +27,12 @@ entry, and of each replica of a replicated DTensor chunk, and refuses a differen
 entry and the ranks (``replica_digests`` / ``refuse_divergence``). The cost is one checksum pass
 over those entries (``checksum.py``'s, 10-19 GB/s on the CPU) and a pickle of each plain value:
 nothing for the sharded entries of FSDP2 state dicts, a pass over the replicated shards under
-HSDP; none on one rank.
+HSDP; none on one rank. A DTensor on a mesh smaller than the saving group (pipeline stages, each
+on its own mesh; TP replicas) may be held under the same name by ranks of another mesh: two
+stages holding the same block (a mistake in the stage split), each sharded by FSDP2, would each
+write their rows under one name and DCP keep one copy of each chunk, so a resume would give one
+stage the other's rows. Each chunk of such an entry is digested too, keyed by its offset, and a
+difference refused: a pass over the entries of meshes smaller than the save, none otherwise.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import zipfile
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._compat import flatten_state_dict
+from .._compat import dtensor_chunk_offset, flatten_state_dict
 from .checksum import tensor_checksum
 from .errors import CheckpointError
 
@@ -186,13 +191,16 @@ def _tensor_digest(t: torch.Tensor) -> str:
     return f"{t.dtype}{tuple(t.shape)}:{tensor_checksum(t.detach())}"
 
 
-def replica_digests(state_dict: dict) -> dict[str, str]:
+def replica_digests(state_dict: dict, ranks: int = 1) -> dict[str, str]:
     """This rank's digest of every entry DCP stores once for several ranks: plain values, tensors
-    that are not DTensors, and replicated DTensor chunks (keyed by their coordinates on the mesh's
-    sharded dimensions). Compared across ranks by :func:`refuse_divergence`.
+    that are not DTensors, replicated DTensor chunks (keyed by their coordinates on the mesh's
+    sharded dimensions), and every chunk of a DTensor whose mesh spans fewer than ``ranks`` ranks
+    (keyed by its offset in the tensor: other ranks may hold the same entry on another mesh, see
+    the note). Compared across ranks by :func:`refuse_divergence`.
 
     Args:
         state_dict: what this rank is about to save.
+        ranks: how many ranks save together (the size of the save's process group).
 
     Example:
         >>> replica_digests({"step": 3, "rng": torch.get_rng_state()})  # {"rng": "torch.uint8(5056,):...", "step": ...}
@@ -201,7 +209,9 @@ def replica_digests(state_dict: dict) -> dict[str, str]:
     out = {}
     for key, value in flat.items():
         try:
-            if isinstance(value, DTensor):
+            if isinstance(value, DTensor) and value.device_mesh.size() < ranks:
+                out[f"{key}@chunk[{','.join(map(str, dtensor_chunk_offset(value)))}]"] = _tensor_digest(value.to_local())
+            elif isinstance(value, DTensor):
                 coordinate = value.device_mesh.get_coordinate()
                 if coordinate is None or not any(p.is_replicate() for p in value.placements):
                     continue
@@ -273,7 +283,11 @@ def refuse_divergence(everyone: list[dict]) -> None:
     parts = []
     for key, groups in bad[:6]:
         name, _, chunk = key.partition("@mesh[")
+        name, _, offset = name.partition("@chunk[")
         what = f"entry {name!r}" + (f" (the replicas of its chunk at mesh coordinate [{chunk})" if chunk else "")
+        if offset:  # held on meshes that do not span the save: by two pipeline stages, or by diverged replicas
+            what += (f" (its chunk at offset [{offset}, held on different device meshes: two pipeline stages holding "
+                     "the same block, each saving its own rows under one name? give every block to one stage)")
         parts.append(f"{what}: " + " / ".join(_ranks(g) for g in groups) + " hold different values")
     more = f"; ... ({len(bad)} entries in all)" if len(bad) > 6 else ""
     raise CheckpointError(

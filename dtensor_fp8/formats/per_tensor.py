@@ -162,7 +162,8 @@ class DelayedScaling(_PerTensor):
     ``quantize(x, DelayedScaling(), scale=s)`` quantizes with the given scale; without one the
     first scale is seeded from ``x``'s own amax (see the note in :meth:`scale_from_amax`; TE's own
     initial scale is 1.0). :meth:`record_amax` and :meth:`update_scale` implement TE's rule for the
-    next scale.
+    next scale. A GEMM operand's first cast, before its state's first update, uses a power of two
+    from its own amax (see the note in :meth:`_operand_scale`).
 
     Args:
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
@@ -240,10 +241,34 @@ class DelayedScaling(_PerTensor):
         were reduced over the weight's ranks (TE reduces and updates once per autocast region)."""
         if state is None:
             state = self.operand_state(hp.device)
-        scale = state["scale"].float().reshape(1)
-        planes = self._operand_planes(hp, rowwise, columnwise, scale=scale)
-        history = self.record_amax(state["amax_history"], self.block_amax(hp, ROWWISE))
+        amax = self.block_amax(hp, ROWWISE)
+        planes = self._operand_planes(hp, rowwise, columnwise, scale=self._operand_scale(state, amax))
+        history = self.record_amax(state["amax_history"], amax)
         return planes, {"amax_history": history, "scale": state["scale"]}
+
+    def _operand_scale(self, state, amax: torch.Tensor) -> torch.Tensor:
+        """The scale an operand is cast with: its state's, or before the state's first update (no
+        amax in the history but the current window's, scale still 1) a power of two from this
+        tensor's own amax.
+
+        [Note: the first operand scale]
+        TE casts an operand with scale 1 until its first update. An output gradient (E5M2) of a
+        mean loss is around 1e-4 to 1e-3: at scale 1 much of it falls into E5M2's subnormals
+        (below 6.1e-5), and how much depends on its absolute size, which data parallelism changes
+        (each rank's loss is a mean over its own batch: its gradient is ``world`` times the one
+        process's, exactly). FSDP2 at 2 ranks then differed from the one-process run by as much
+        as the FP8 error itself. A power of two from the tensor's own amax keeps the cast in the
+        normal range, and a power-of-two factor between runs (or ranks) changes no byte's
+        rounding: the runs stay equivalent from the first step (at every later step the scales
+        of the two runs differ by that exact factor). A recompute of the same forward (activation
+        checkpointing) casts the same tensor with the same scale; the scale kept in the state, and
+        its update, are TE's.
+        """
+        scale = state["scale"].float().reshape(1)
+        fresh = (state["amax_history"][1:] == 0).all() & (scale == 1).all()
+        first = scale_from_amax(amax.float().reshape(1), torch.finfo(self.fp8_dtype).max * 2.0 ** (-self.margin),
+                                force_pow_2_scales=True, amax_epsilon=0.0)
+        return torch.where(fresh, first, scale)
 
     def recorded_operand_amax(self, state):
         return state["amax_history"][:1]

@@ -76,9 +76,23 @@ def _to_copy(func, args, kwargs):
     hp = q.hp_init.to(device=device) if q.bytes_pending else q.hp_init
     out = q.rebuild(planes, dtype=dtype, hp_init=hp)
     tensors = out.plane_tensors()
-    if q.holds(tensors):  # the same bytes (no device move): q under another nominal dtype
+    if q.holds(tensors) and not never_repointed(q):  # the same bytes: q under another nominal dtype
         q.param_state.read_through_(tensors, reads_from(q))
     return out
+
+
+def never_repointed(q: QuantizedTensor) -> bool:
+    """Whether ``q`` is a module's own parameter that no FSDP2 gather re-points (an unsharded
+    model's weight): a cast or transpose view of it then reads its own planes, which are ``q``'s,
+    and the owner record keeps no weak reference to ``q`` for it (see :func:`reads_from`).
+    ``model.to(dtype)`` replaces such a parameter through ``torch.utils.swap_tensors``, which
+    refuses a tensor with weak references.
+
+    Example:
+        >>> never_repointed(model.w1.weight)   # no fully_shard
+        True
+    """
+    return isinstance(q, torch.nn.Parameter) and q.param_state.gather.gathering_group() is None
 
 
 def reads_from(q: QuantizedTensor) -> QuantizedTensor:
@@ -129,14 +143,11 @@ def _zeros_like(func, args, kwargs):
     q = args[0]
     _check_nominal_dtype(q, kwargs.get("dtype"), func)
     if func is aten.empty_like.default and q.param_state.master_tensor() is not None:
-        # ``module.to_empty`` (its only caller on a parameter): see param_writes.py's note.
-        raise RecipeError(
-            f"{q.recipe.name}: to_empty (empty_like) of an FP8 weight of shape {tuple(q.shape)} whose "
-            "MasterWeightOptimizer exists: it would replace the weight's FP8 bytes with zeros while its master kept "
-            "the old values (parameters visited before this one may already be emptied). Fix: call "
-            "model.to_empty(device=...) and initialize the weights before building the MasterWeightOptimizer; to "
-            "load new values into a trained model, use weight.copy_(values) or dtensor_fp8.load_hp_state_dict / "
-            "load_checkpoint (the masters follow)")
+        # ``module.to_empty`` (its only caller on a parameter) of a module quantize_module_ did not
+        # see (the model checks first: param_writes.CheckedToEmpty).
+        from ..param_writes import to_empty_refusal  # the writes layer sits above the op table
+
+        raise to_empty_refusal(q.recipe.name, q.shape)
     return zeros_like_quantized(q, list(q.shape), kwargs.get("device"))
 
 
@@ -155,9 +166,9 @@ def _copy_(func, args, kwargs):
         # High precision into FP8: a write of the weight's values, through its owner (the scale
         # from the amax over the weight's groups, its master following; a meta-built weight's
         # init values awaiting their bytes). See param_writes.py.
-        from ..param_writes import write_hp_values_  # the writes layer sits above the op table
+        from ..param_writes import check_copy_source, write_hp_values_  # the writes layer sits above the op table
 
-        write_hp_values_([(None, dst, src.reshape(dst.shape))])
+        write_hp_values_([(None, dst, check_copy_source(dst, src))])
         return dst
     dst_planes = dst.planes
     if src.bytes_pending:

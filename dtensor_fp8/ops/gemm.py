@@ -11,7 +11,7 @@ from ..formats.base import ROWWISE, RecipeError
 from ..linear import quantized_linear
 from ..op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS, TRANSPOSE_VIEW_OPS
 from ..tensor import QuantizedTensor
-from .copies import reads_from
+from .copies import never_repointed, reads_from
 
 aten = torch.ops.aten
 
@@ -101,7 +101,8 @@ def _transpose_back(func, args, kwargs):
     # to ``base`` (through its owner record, see ops/copies.reads_from): when this runs in
     # backward, ``base`` holds what FSDP's backward gather put in it.
     out = base.rebuild()
-    base.param_state.read_through_(out.plane_tensors(), reads_from(base))
+    if not never_repointed(base):
+        base.param_state.read_through_(out.plane_tensors(), reads_from(base))
     return out
 
 
