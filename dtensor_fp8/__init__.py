@@ -24,7 +24,8 @@ from .formats import (
 from . import fsdp as _fsdp  # noqa: F401  (installs the FSDP2 all-gather extension)
 from . import settings  # noqa: F401  (the kernel / GEMM switches: dtensor_fp8.settings.override)
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_hp_checkpoint, save_checkpoint
-from .state_dict import export_hp_state_dict, high_precision_state_dict, load_hp_state_dict
+from .hp_load import load_hp_state_dict
+from .state_dict import export_hp_state_dict, high_precision_state_dict
 from .export_fp8 import export_fp8_hf
 from .fsdp import gather_both_usages
 from .describe import describe

@@ -39,7 +39,7 @@ from .agreement import gather_findings
 from .groups import mesh_groups
 from .optim_state import MASTER_KEY, SCALING_PREFIXES, localize
 from .placement import local_tensor
-from .state_dict import nonfinite_problem
+from .hp_load import nonfinite_problem
 
 #: the error class of each kind of finding (several kinds: ``ValueError``)
 _ERRORS = {"missing": KeyError, "nonfinite": FloatingPointError, "layout": ValueError}

@@ -11,7 +11,7 @@ tensor is read, every entry is checked against the model from ``.metadata`` (or 
 headers): present (``strict``), a floating dtype for floating parameters, the parameter's global
 shape, chunks covering it. The tensors are then read into staging buffers laid out like the
 parameters (this rank's shards only, FP32 for FP8 weights), their values checked (finite on every
-rank) and only then written: ``state_dict.write_staged_hp_values``, the one step that writes. Any
+rank) and only then written: ``hp_load.write_staged_hp_values``, the one step that writes. Any
 failure raises the same :class:`CheckpointError` on every rank of the model's mesh, naming the
 entry and file, with the model, its masters and scaling state as they were.
 """
@@ -30,16 +30,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..agreement import _agreement_group
 from ..placement import like, local_tensor
-from ..state_dict import (
-    HP_UNTOUCHED,
-    RECIPE_KEY,
-    HPLoadResult,
-    _is_extra_state,
-    hp_targets,
-    stage_hp_values,
-    value_problem,
-    write_staged_hp_values,
-)
+from ..hp_load import HP_UNTOUCHED, HPLoadResult, stage_hp_values, value_problem, write_staged_hp_values
+from ..state_dict import RECIPE_KEY, _is_extra_state, hp_targets
 from ..tensor import QuantizedTensor
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
 from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
