@@ -284,7 +284,7 @@ def _failed(row: dict, e: Exception) -> None:
         row.update(status="OOM", error=str(e).splitlines()[0][:300])
     else:
         row.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300],
-                   traceback=traceback.format_exc()[-3000:])
+                   traceback=traceback.format_exc()[-12000:])
 
 
 def run_variant(variant: str, cfg, mesh) -> dict:
@@ -317,7 +317,7 @@ def run_variant(variant: str, cfg, mesh) -> dict:
         except Exception as e:  # noqa: BLE001
             if variant.endswith("_compiled"):
                 row.update(status="compile failed", error=f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                           traceback=traceback.format_exc()[-3000:])
+                           traceback=traceback.format_exc()[-12000:])
                 return row
             raise
         row["fp8_gemms_per_step"] = scaled_gemms_in(step, losses)
@@ -499,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                 msg = (f"{r['median_ms']:.2f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {_gib(r['step_peak_gib'])} GiB"
                        if r.get("status") == "ok" else f"{r.get('status')}: {r.get('error')}")
                 print(f"  {v:<32} {msg}  [{r['wall_s']:.1f} s]", flush=True)
+                if r.get("traceback"):  # the one-line reason rarely names the op; the JSON keeps it too
+                    print(r["traceback"], file=sys.stderr, flush=True)
                 write()
         finally:
             dist.destroy_process_group()

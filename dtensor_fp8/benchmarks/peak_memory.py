@@ -24,15 +24,21 @@ import torch
 GIB = 1024 ** 3
 
 
+#: where a frame's file must lie to count as this library's or torch's: the packages' own directories
+#: (a substring test matched any site-packages file under an environment at /opt/torch/...)
+_PACKAGE_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_TORCH_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+
+
 def _site(frames: list[dict]) -> str:
     """The innermost frame in dtensor_fp8, else in torch, else the innermost one."""
     def where(f):
         return f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
 
     frames = [f for f in frames if f.get("filename") != __file__]  # not this module's own call of step()
-    for needle in ("dtensor_fp8", "torch"):
+    for dirs in (_PACKAGE_DIRS, _TORCH_DIRS):
         for f in frames:
-            if needle in f.get("filename", ""):
+            if os.path.abspath(f.get("filename", "")).startswith(dirs):
                 return where(f)
     return where(frames[0]) if frames else "(no stack)"
 
