@@ -194,8 +194,13 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "under torch.compile: the operand scaling state (delayed scaling's amax histories) is kept outside the graph"
     tokens = x.numel() // max(x.shape[-1], 1)
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0], weight.shape[1], x.dtype, weight.dtype)
+    if any(isinstance(v, torch.SymInt) for v in key[3:6]):
+        # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
+        # SymInt cannot key the cache; the same checks uncached, their divisibility tests guards.
+        return _unsupported.__wrapped__(*key)
     # Called at every F.linear: the answer depends only on these, so it is computed once for them.
-    return _unsupported(weight.recipe, x.device.type, cc, tokens, weight.shape[0], weight.shape[1], x.dtype, weight.dtype)
+    return _unsupported(*key)
 
 
 def _has_operand_state(recipe, device) -> bool:

@@ -239,3 +239,32 @@ def test_torch_compile_fqn_keeps_hp_init():
         opt.step()
         after.append(list(planes_bytes(model).values()))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(*after)), "the masters did not start from the same values"
+
+
+def test_dynamic_shapes_keep_fp8_gemms():
+    """Current scaling (torch's CPU scaled GEMM; tests/gpu/test_compile.py runs every recipe's on
+    CUDA). A compiled linear whose input dims are dynamic (``dynamic=True`` here; dynamo's automatic
+    dynamic does the same once it sees a second size: the Llama3-8B ``linear_step`` rows after a
+    graph break) runs torch's scaled GEMMs for both sizes and gives the eager FP8 GEMMs' output
+    and gradient. Before the fix the GEMM check keyed a cache with a SymInt and compilation
+    failed ("unhashable type: non-nested SymInt")."""
+    from torch.profiler import ProfilerActivity, profile
+    from dtensor_fp8 import gemm
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 128, bias=False)
+    d.quantize_module_(lin, d.RECIPES["current"])
+    with gemm.fp8_gemms("on"):
+        assert gemm.unsupported_reason(torch.randn(128, 256), lin.weight) is None
+        compiled = torch.compile(lambda x: nn.functional.linear(x, lin.weight), dynamic=True)
+        for tokens in (128, 256):
+            x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+            eager = nn.functional.linear(xe, lin.weight)
+            eager.sum().backward()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = compiled(xc)
+                out.sum().backward()
+            assert sum("scaled_mm" in e.name for e in prof.events() if e.name.startswith("aten::")) >= 2, tokens
+            assert torch.equal(out, eager), tokens
+            assert torch.equal(xc.grad, xe.grad), tokens
