@@ -146,13 +146,37 @@ def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype, *, fast_accum: boo
     sb = lb.scale(b.scale_inv, b.data.shape[0], b.data.shape[1], operand="b")
     if la.kind == lb.kind == "TensorWise":
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    fn, scaling, swizzle = _scaled_mm_fn()
-    kwargs = {"output_dtype": out_dtype}
-    if la.swizzle != "NO_SWIZZLE":
-        kwargs.update(swizzle_a=getattr(swizzle, la.swizzle), swizzle_b=getattr(swizzle, lb.swizzle))
-    if fast_accum:
-        kwargs["use_fast_accum"] = True
-    return fn(a.data, b.data.t(), sa, getattr(scaling, la.kind), sb, getattr(scaling, lb.kind), **kwargs)
+    return scaled_mm_v2(a.data, b.data.t(), sa, la.kind, la.swizzle, sb, lb.kind, lb.swizzle, out_dtype, fast_accum)
+
+
+def scaled_mm_v2(mat_a, mat_b, scale_a, kind_a: str, swizzle_a: str, scale_b, kind_b: str, swizzle_b: str,
+                 out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``torch.nn.functional.scaled_mm`` with one scale per operand, called as the aten op it wraps.
+
+    Dynamo traces an aten op in every torch version, while torch 2.11's dynamo cannot see through
+    the Python binding that ``F.scaled_mm`` calls and broke the graph at every block-scaled GEMM of
+    a compiled model. The arguments are ``F.scaled_mm``'s: its enums as their ints, swizzles as an
+    empty list when there are none.
+
+    Args:
+        mat_a, mat_b: FP8 ``(M, K)`` row-major and ``(K, N)`` column-major.
+        scale_a, scale_b: the operands' scales in ``kind_a`` / ``kind_b``'s layout.
+        kind_a, kind_b: ``F.ScalingType`` member names (``"TensorWise"``, ``"BlockWise1x128"``, ...).
+        swizzle_a, swizzle_b: ``F.SwizzleType`` member names (``"NO_SWIZZLE"``: none).
+        out_dtype: the output dtype.
+        fast_accum: the tensor cores' fast accumulation.
+
+    Example:
+        >>> y = scaled_mm_v2(a, b.t(), sa, "TensorWise", "NO_SWIZZLE", sb, "TensorWise", "NO_SWIZZLE", torch.bfloat16, False)
+    """
+    _, scaling, swizzle = _scaled_mm_fn()
+
+    def swizzles(name):
+        return [] if name == "NO_SWIZZLE" else [getattr(swizzle, name).value]
+
+    return torch.ops.aten._scaled_mm_v2.default(
+        mat_a, mat_b, [scale_a], [getattr(scaling, kind_a).value], swizzles(swizzle_a),
+        [scale_b], [getattr(scaling, kind_b).value], swizzles(swizzle_b), None, out_dtype, [], fast_accum)
 
 
 @functools.lru_cache(maxsize=None)

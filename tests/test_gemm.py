@@ -336,3 +336,22 @@ def test_mode_switch_is_checked():
     with pytest.raises(ValueError, match="mode must be one of"):
         with gemm.fp8_gemms("yes"):
             pass
+
+
+def test_scaled_mm_v2_is_torch_functional_scaled_mm_and_compiles_whole():
+    """``gemm.scaled_mm_v2`` (the aten op ``F.scaled_mm`` wraps, called directly so that torch
+    2.11's dynamo sees it) gives ``F.scaled_mm``'s bytes, eager and under ``fullgraph=True``
+    (torch's CPU kernel takes tensorwise scales; the block-scaled layouts run in tests/gpu)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 64, generator=g).to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    want = F.scaled_mm(a, b.t(), sa, F.ScalingType.TensorWise, sb, F.ScalingType.TensorWise, output_dtype=torch.bfloat16)
+
+    def ours(a, b):
+        return gemm.scaled_mm_v2(a, b.t(), sa, "TensorWise", "NO_SWIZZLE", sb, "TensorWise", "NO_SWIZZLE",
+                                 torch.bfloat16, False)
+
+    assert torch.equal(ours(a, b).view(torch.int16), want.view(torch.int16))
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a, b).view(torch.int16), want.view(torch.int16))

@@ -10,9 +10,10 @@ one's own (``compile_cases.Block``), which compiles whole on every torch version
 covered on the CPU (tests/test_torch_compile.py, [Note: blocks of one's own and containers]).
 
 ``F.linear`` runs two ways here (``gemm`` parameter): ``"emulated"`` (``fp8_gemms("off")``: dequantize
-+ high-precision GEMM, compiled with ``fullgraph=True``) and ``"fp8"`` (the FP8 GEMM path of
-gemm.py, where torch has the recipe's scaled GEMM on this GPU, compiled with ``fullgraph=False``);
-both must be bit-exact with eager, step for step. Delayed scaling is the exception by design: its
++ high-precision GEMM) and ``"fp8"`` (the FP8 GEMM path of gemm.py, where torch has the recipe's
+scaled GEMM on this GPU), both compiled with ``fullgraph=True`` (block-scaled GEMMs call the aten op
+``_scaled_mm_v2`` itself: torch 2.11's dynamo broke the graph at ``F.scaled_mm``'s binding); both
+must be bit-exact with eager, step for step. Delayed scaling is the exception by design: its
 activation / gradient amax histories live outside the graph, so under compile it runs the
 emulated linear (``gemm.unsupported_reason``), and its compiled run is compared with an eager run
 of the emulated linear (``EAGER_GEMMS``). Each test prints the graph breaks it counted.
@@ -55,7 +56,7 @@ def _gemm_mode(gemm: str):
     """(context, fullgraph) for a ``gemm`` parameter (see the module docstring)."""
     if gemm == "emulated":
         return dgemm.fp8_gemms("off"), True
-    return contextlib.nullcontext(), False
+    return contextlib.nullcontext(), True
 
 
 @pytest.fixture(scope="module")
