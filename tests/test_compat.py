@@ -169,6 +169,11 @@ def _distributed_accessors():
     gathered = _compat.all_gather_single(torch.full((2,), float(dist.get_rank()), device=DEVICE), 0, group)
     gathered = gathered.wait() if hasattr(gathered, "wait") else gathered
     out["all_gather_single"] = torch.equal(gathered.cpu(), torch.arange(world).float().repeat_interleave(2))
+    # where a local chunk starts: (7, 3) on `world` ranks, Shard(0) uneven (torch's chunking: ceil(7 / world) rows each)
+    uneven = DTensor.from_local(torch.zeros(0, 3, device=DEVICE), mesh, [Shard(0)], run_check=False,
+                                shape=(7, 3), stride=(3, 1))
+    per_rank = -(-7 // world)
+    out["dtensor_chunk_offset"] = _compat.dtensor_chunk_offset(uneven) == (min(7, per_rank * dist.get_rank()), 0)
 
     # FSDP2: the parameters fully_shard manages and the group of a gather, from the module-state registry.
     torch.manual_seed(0)
@@ -219,7 +224,7 @@ def _distributed_accessors():
     return out
 
 
-@touches("dtensor_local", "strided_shard_class", "resolve_process_group", "all_gather_single",
+@touches("dtensor_local", "strided_shard_class", "resolve_process_group", "all_gather_single", "dtensor_chunk_offset",
          "fsdp_param_group_class", "fsdp_managed_params", "fsdp_param_group_of", "fsdp_group_modules",
          "fsdp_group_in_backward", "fsdp_group_reshards_after_forward", "fsdp_group_reshards_to_smaller_mesh")
 def test_distributed_accessors(pools):
