@@ -367,16 +367,20 @@ def plot(report: dict, path: str) -> bool:
     steps = next((r["eval_steps"] for r in runs), [])
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(14, 5))
     ref = curves.get(REFERENCE, {})
-    for name, by_seed in curves.items():
+    for index, (name, by_seed) in enumerate(curves.items()):
+        color = f"C{index}"  # one colour per row in both panels
         mean = [sum(c[i] for c in by_seed.values()) / len(by_seed) for i in range(len(steps))]
-        ax_loss.plot(steps, mean, marker="o", ms=3, label=f"{name} ({len(by_seed)} seeds)")
+        ax_loss.plot(steps, mean, marker="o", ms=3, color=color, label=f"{name} ({len(by_seed)} seeds)")
         shared = [s for s in by_seed if s in ref]
         if name != REFERENCE and shared:
-            diff = [100 * sum(by_seed[s][i] / ref[s][i] - 1 for s in shared) / len(shared) for i in range(len(steps))]
-            ax_diff.plot(steps, diff, marker="o", ms=3, label=name)
+            per_seed = {s: [100 * (by_seed[s][i] / ref[s][i] - 1) for i in range(len(steps))] for s in shared}
+            for curve in per_seed.values():  # each seed thin: a mean can hide runs that split apart
+                ax_diff.plot(steps, curve, color=color, lw=0.7, alpha=0.35)
+            diff = [sum(c[i] for c in per_seed.values()) / len(shared) for i in range(len(steps))]
+            ax_diff.plot(steps, diff, marker="o", ms=3, color=color, label=name)
     cfg = report["meta"]["config"]
     ax_loss.set_title(f"held-out loss, nats/byte (mean over seeds; {report['meta']['data']['held_out_files']} stdlib files)")
-    ax_diff.set_title("held-out loss vs bf16 at the same seed, % (mean over seeds)")
+    ax_diff.set_title("held-out loss vs bf16 at the same seed, % (mean over seeds; each seed thin)")
     ax_diff.axhspan(-100 * stats.TARGET_RELATIVE, 100 * stats.TARGET_RELATIVE, color="green", alpha=0.08)
     if steps:
         tail = [r["eval_losses"][min(1, len(steps) - 1)] for r in runs]
