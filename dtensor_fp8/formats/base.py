@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import _compat
+
 # The pieces every formats module shares live in the leaf module planes.py (re-exported here:
 # ``from .formats.base import Plane`` keeps working); te_binding.py imports them from there, so
 # nothing in formats/ imports a module that imports it back (tests/test_structure.py checks it).
@@ -151,10 +153,13 @@ class Recipe(abc.ABC):
         # the pass that turns NaN into 0 (Inf kept) paid, for the whole tensor.
         x = hp.abs() if magnitudes is None else magnitudes
         block = self.block_shape(usage)
-        if torch.compiler.is_compiling():  # no data-dependent branch in a graph; inductor fuses the pass
+        # is_traced, not is_compiling: torch 2.11's dynamo runs a subclass's F.linear on fake tensors
+        # outside its tracing, where is_compiling() is False (the data-dependent bool broke the graph).
+        traced = _compat.is_traced(x)
+        if traced:  # no data-dependent branch in a graph; inductor fuses the pass
             x = torch.nan_to_num(x, nan=0.0, posinf=float("inf"))
         amax = _to_blocks(x, block)[0].amax(dim=(1, 3))
-        if not torch.compiler.is_compiling() and bool(amax.isnan().any()):
+        if not traced and bool(amax.isnan().any()):
             amax = _to_blocks(torch.nan_to_num(x, nan=0.0, posinf=float("inf")), block)[0].amax(dim=(1, 3))
         return amax.float()
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _compat
 from .base import COLUMNWISE, ROWWISE, BlockShape, Recipe, RecipeError, as_matrix_shape, round_up
 from .per_tensor import _check_fp8_dtype
 from .te_binding import TEBinding, TEBuffer
@@ -76,7 +77,7 @@ def as_e8m0(biased: torch.Tensor) -> torch.Tensor:
     """uint8 biased exponents as ``float8_e8m0fnu`` scales: a view, or under torch.compile a copy
     made by an opaque op, because inductor's C++ code generator has no E8M0 type (torch 2.13:
     ``float8_e8m0fnu missing from DTYPE_TO_CPP``) and would fuse the view into a kernel."""
-    if torch.compiler.is_compiling():
+    if _compat.is_traced(biased):  # is_compiling() is False where torch 2.11 runs a subclass's op on fake tensors
         return _e8m0_from_bytes(biased)
     return biased.view(torch.float8_e8m0fnu)
 

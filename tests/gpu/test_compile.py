@@ -156,3 +156,24 @@ def test_per_block_compile_under_fully_shard(one_rank_group, name, style, gemm):
     assert counters["unique_graphs"] >= 1, counters
     if fullgraph:
         assert counters["graph_breaks"] == 0, counters
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_decoder_block_compiles_to_one_graph(name):
+    """``linear_step``'s Llama-form decoder block (bf16, RMSNorm, GQA attention, SwiGLU) with FP8
+    weights and the FP8 GEMM path: one graph, no break. On torch 2.11 a subclass's ``F.linear`` runs
+    on fake tensors outside dynamo's tracing, where ``torch.compiler.is_compiling()`` is False: the
+    amax's data-dependent NaN check then broke the graph at every linear (16 breaks in a block)
+    until the codecs asked ``_compat.is_traced`` instead."""
+    import dataclasses
+
+    from dtensor_fp8.benchmarks import linear_step
+    from dtensor_fp8.benchmarks.shapes import PRESETS
+
+    shape = dataclasses.replace(PRESETS["llama3-8b"], layers=1, hidden=512, ffn=1024, heads=4, kv_heads=2, seq=256)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = d.quantize_module_(linear_step.Block(shape, DEVICE, torch.bfloat16), d.RECIPES[name])
+    x = torch.randn(shape.seq, shape.batch, shape.hidden, device=DEVICE, dtype=torch.bfloat16)
+    explained = torch._dynamo.explain(block)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [str(r.reason)[:300] for r in explained.break_reasons]
