@@ -346,7 +346,10 @@ def test_scaled_mm_v2_is_torch_functional_scaled_mm_and_compiles_whole():
     a = torch.randn(32, 64, generator=g).to(torch.float8_e4m3fn)
     b = torch.randn(16, 64, generator=g).to(torch.float8_e4m3fn)
     sa, sb = torch.tensor(0.5), torch.tensor(2.0)
-    want = F.scaled_mm(a, b.t(), sa, F.ScalingType.TensorWise, sb, F.ScalingType.TensorWise, output_dtype=torch.bfloat16)
+    try:
+        want = F.scaled_mm(a, b.t(), sa, F.ScalingType.TensorWise, sb, F.ScalingType.TensorWise, output_dtype=torch.bfloat16)
+    except NotImplementedError:  # torch 2.11 / 2.12 (the GPU machine's): _scaled_mm_v2 has CUDA kernels only
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for _scaled_mm_v2 (2.13 and later do)")
 
     def ours(a, b):
         return gemm.scaled_mm_v2(a, b.t(), sa, "TensorWise", "NO_SWIZZLE", sb, "TensorWise", "NO_SWIZZLE",
