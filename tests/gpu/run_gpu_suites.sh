@@ -6,6 +6,8 @@
 #   gloo_cuda    the schedule / pipeline / owner-write / split-block files with CUDA tensors at world sizes 2 and 4 (8),
 #                every rank on cuda:0 (collectives staged through host memory, tests/staging_backend.py)
 #   convergence  the convergence benchmark (docs/benchmarks.md)
+#   speed        linear_step's step time: the 102 M byte-lm shape, then the Llama3-8B shape with memory at
+#                peak (not in the default PARTS: run it alone, PARTS=speed, or its timings are shared-machine ones)
 #
 #   export PYTHONPATH=$PWD/.gpu/site:$PWD NVTE_FRAMEWORK=pytorch   # TE on the path
 #   PARTS="gpu_suite nccl_suite" bash tests/gpu/run_gpu_suites.sh   # from the repository root; results under $OUT
@@ -23,6 +25,7 @@ wants() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 SUITE_S=${SUITE_S:-480}      # each test session
 BENCH_S=${BENCH_S:-480}      # the convergence benchmark
+SPEED_S=${SPEED_S:-270}      # each speed shape
 # BENCH_ARGS: more convergence options, after the defaults (the last given wins), e.g. to check the
 # plumbing on a CPU: SUITE_S=30 BENCH_S=120 BENCH_ARGS="--device cpu --shape toy --steps 8" bash ...
 read -r -a BENCH_EXTRA <<< "${BENCH_ARGS:-}"
@@ -81,6 +84,14 @@ wants convergence && part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmar
   ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"} &
 wait
 
+# After the other parts (its timings need the GPU and the cores to itself): compiled rows first, then
+# the references; each row's JSON is written as it finishes, so a cut keeps the rows done.
+SPEED_ROWS=current_bf16_masters_compiled,blockwise2d_bf16_masters_compiled,bf16,bf16_compiled,torchao_compiled
+wants speed && part speed_byte_lm "$SPEED_S" python3 -m dtensor_fp8.benchmarks linear_step --shape byte-lm \
+  --variants "$SPEED_ROWS" --steps 8 --warmup 4 --out "$OUT/speed_byte_lm"
+wants speed && part speed_llama3_8b "$SPEED_S" python3 -m dtensor_fp8.benchmarks linear_step --shape llama3-8b \
+  --variants "$SPEED_ROWS" --steps 5 --warmup 3 --memory-at-peak --out "$OUT/speed_llama3_8b"
+
 if wants convergence && ! grep -q "^target:" "$OUT/convergence.log" && [ -f "$OUT/convergence.json" ]; then  # cut short: its finished rows
   python3 -m dtensor_fp8.benchmarks convergence --from-json "$OUT/convergence.json" --out "$OUT" >> "$OUT/convergence.log" 2>&1
 fi
@@ -102,6 +113,12 @@ fi
     grep -a -E '^# |^  [a-z0-9_]+ +seed |^stopped:|^wrote .*json after' "$OUT/convergence.log" | cut -c1-240
     sed -n '/^| row /,/^target:/{/^target:/!p}' "$OUT/convergence.log"   # the table and the per-seed table
     sed -n '/^target:/,/^$/p' "$OUT/convergence.log"
+  fi
+  if wants speed; then
+    for name in speed_byte_lm speed_llama3_8b; do
+      echo "== $name: $(tail -1 "$OUT/$name.log")"
+      sed -n '/^| variant/,/^$/p' "$OUT/$name.log"
+    done
   fi
   echo "== total $((SECONDS - T0)) s"
 } >> "$OUT/summary.txt"
