@@ -21,9 +21,9 @@ here (:func:`write_hp_values_`):
   into it, so the next step continues from them instead of requantizing the old master over
   them. Before the optimizer, the values are kept for the masters to start from (``hp_init``).
 * a load of FP8 bytes (``model.load_state_dict`` of a checkpoint's entry, ``ops/copies.py``) marks
-  the record (``bytes_loaded``): at the next step the master takes the loaded bytes' values
-  (:func:`masters_follow_loaded_bytes_`), unless the optimizer's own state was loaded since the
-  last step too (``master_loaded``, in either order: torch's ``set_state_dict`` loads the
+  the record's lifecycle (``LoadedSinceStep.BYTES``, ``lifecycle.py``): at the next step the master
+  takes the loaded bytes' values (:func:`masters_follow_loaded_bytes_`), unless the optimizer's own
+  state was loaded since the last step too (``MASTER``, in either order: torch's ``set_state_dict`` loads the
   optimizer first), where the saved master, more precise than its FP8 rounding, stands.
 * a meta-built weight whose bytes are still pending takes the values as its init (``hp_init``);
   ``finish_init_`` (the optimizer calls it) makes the bytes, with the same scale scope.
@@ -187,7 +187,7 @@ def _check_master_covers(name, q: QuantizedTensor) -> None:
 @torch.no_grad()
 def masters_follow_loaded_bytes_(masters) -> None:
     """Write each master whose weight's bytes were loaded from a checkpoint entry since
-    (``FP8ParamState.bytes_loaded``: ``model.load_state_dict`` without the optimizer's state after
+    (``Lifecycle.master_follows_loaded_bytes``: ``model.load_state_dict`` without the optimizer's state after
     it) from those bytes, dequantized: the next step then continues from the loaded weights
     instead of requantizing the old master over them.
 
