@@ -108,9 +108,9 @@ class Lifecycle:
     def copied(self) -> "Lifecycle":
         """The lifecycle of a copy of the weight (``copy.deepcopy``, a pickle): the same bytes state,
         nothing loaded (a copy links to no master, so no load is waiting for one)."""
-        copy = Lifecycle()
-        copy._bytes_state = self._bytes_state
-        return copy
+        twin = Lifecycle()
+        twin._bytes_state = self._bytes_state
+        return twin
 
     @classmethod
     def from_flags(cls, bytes_pending: bool, init_written: bool | None) -> "Lifecycle":

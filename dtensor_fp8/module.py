@@ -219,10 +219,11 @@ def finish_init_(model: nn.Module) -> list[str]:
         >>> model.to_empty(device="cuda"); model.init_weights()
         >>> dtensor_fp8.finish_init_(model)      # or build the MasterWeightOptimizer
     """
-    # The local tensors themselves (DTensor.to_local() would hand out aliases): their flags change.
+    # The local tensors themselves (DTensor.to_local() would hand out aliases): their lifecycle moves.
     locals_ = [(name, p, dtensor_local(p)) for name, p in model.named_parameters()]
     pending = [(name, p, q) for name, p, q in locals_ if isinstance(q, QuantizedTensor) and q.bytes_pending]
-    unwritten = [f"{name} {tuple(p.shape)} ({q.recipe.name})" for name, p, q in pending if q.param_state.lifecycle.bytes_state is BytesState.ALLOCATED]
+    unwritten = [f"{name} {tuple(p.shape)} ({q.recipe.name})" for name, p, q in pending
+                 if q.param_state.lifecycle.bytes_state is BytesState.ALLOCATED]
     if unwritten:
         raise RecipeError(
             f"finish_init_: {len(unwritten)} FP8 weight(s) built on the meta device were never written after "
