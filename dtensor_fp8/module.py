@@ -5,7 +5,7 @@ torchtitan's flow builds the model on the meta device, shards it, then materiali
 initializes each rank's shard only. ``quantize_module_`` accepts meta weights: it makes FP8
 parameters whose planes have a shape and no bytes, plus room for the high-precision values the
 user's init will write (the tensor's values plane, ``QuantizedTensor.hp_init``; the owner record
-marks the bytes pending, ``FP8ParamState.bytes_pending``). ``fully_shard`` cuts the FP8 planes and
+marks the bytes pending: ``FP8ParamState.lifecycle``, ``lifecycle.py``). ``fully_shard`` cuts the FP8 planes and
 the values plane alike into block-aligned shards, ``model.to_empty(device=...)`` allocates each rank's, the
 user's init (``reset_parameters()``, ``nn.init.*``, ``weight.copy_(...)``) writes the values
 (``ops/init.py``), and :func:`finish_init_` (called by :class:`MasterWeightOptimizer`) quantizes
@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from . import groups
 from .formats.base import Recipe, RecipeError
+from .lifecycle import BytesState
 from ._compat import dtensor_local
 from .placement import local_tensor
 from .quantize import quantize
@@ -137,7 +138,7 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
         planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
         hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
         q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
-        q.param_state.bytes_pending = True  # its init writes hp_init; finish_init_ makes the bytes
+        q.param_state.lifecycle.mark_built_on_meta()  # its init writes hp_init; finish_init_ makes the bytes
         return q
     q = quantize(weight, recipe)
     return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
@@ -218,10 +219,11 @@ def finish_init_(model: nn.Module) -> list[str]:
         >>> model.to_empty(device="cuda"); model.init_weights()
         >>> dtensor_fp8.finish_init_(model)      # or build the MasterWeightOptimizer
     """
-    # The local tensors themselves (DTensor.to_local() would hand out aliases): their flags change.
+    # The local tensors themselves (DTensor.to_local() would hand out aliases): their lifecycle moves.
     locals_ = [(name, p, dtensor_local(p)) for name, p in model.named_parameters()]
     pending = [(name, p, q) for name, p, q in locals_ if isinstance(q, QuantizedTensor) and q.bytes_pending]
-    unwritten = [f"{name} {tuple(p.shape)} ({q.recipe.name})" for name, p, q in pending if q.param_state.init_written is False]
+    unwritten = [f"{name} {tuple(p.shape)} ({q.recipe.name})" for name, p, q in pending
+                 if q.param_state.lifecycle.bytes_state is BytesState.ALLOCATED]
     if unwritten:
         raise RecipeError(
             f"finish_init_: {len(unwritten)} FP8 weight(s) built on the meta device were never written after "
@@ -249,5 +251,5 @@ def finish_init_(model: nn.Module) -> list[str]:
         plane.scale_inv.copy_(fresh.scale_inv)
     for _, _, q in pending:
         q.param_state.reset_()  # states made before the bytes (on meta) start again from them
-        q.param_state.bytes_pending = False
+        q.param_state.lifecycle.mark_made()
     return [name for name, _, _ in pending]

@@ -22,8 +22,10 @@ high-precision init values    the tensor's values plane (``hp_init``) by ``quant
                               sliced, padded and moved with its FP8   written by the user's init) /    from them (and are saved)
                               planes, so the shard holds its rows     when the optimizer's masters
                                                                       take them
-whether the FP8 bytes are     ``FP8ParamState.bytes_pending``         ``True`` by ``quantize_module_`` not saved (a state dict holds
-still to be made (meta build)                                         on meta / ``False`` at           the values while pending)
+where the FP8 bytes stand     ``FP8ParamState.lifecycle``             ``META`` by ``quantize_module_`` not saved (a state dict holds
+(meta build: still to be      (``bytes_state``; changed only by its   on meta, ``ALLOCATED`` at        the values while pending)
+made; whether the init wrote  transition methods, ``lifecycle.py``)   ``to_empty``, ``INIT_WRITTEN``
+them after ``to_empty``)                                              by the init / ``MADE`` at
                                                                       :func:`finish_init_`
 per-gather plans, the        ``FP8ParamState.gather``                at the first gather (FSDP2's     not saved (rebuilt from the mesh)
 gathering FSDPParamGroup,     (a :class:`GatherState`)                group: from its registry,
@@ -49,10 +51,8 @@ source)                                                               tensors go
 the master it writes through  ``FP8ParamState.master`` (a weak        by ``MasterWeightOptimizer`` /   the optimizer's state dict
                               reference to the optimizer's master)    with the optimizer               (``master``)
 where the weight lives        ``FP8ParamState.home`` (module, name)   by ``quantize_module_`` / never  not saved
-whether a meta-built weight   ``FP8ParamState.init_written``          ``False`` at ``to_empty``, True  not saved
-was written after to_empty                                            at its init's first write
-whether a load since the      ``FP8ParamState.bytes_loaded``,         at a load of the model's         not saved
-last step brought bytes /     ``master_loaded``                       entry / the optimizer's state /
+whether a load since the      ``FP8ParamState.lifecycle``             at a load of the model's         not saved
+last step brought bytes /     (``loaded_since_step``)                 entry / the optimizer's state /
 the master                                                            at the next step
 ============================  ======================================  ===============================  ==================================
 
@@ -83,6 +83,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import Layout
+from .lifecycle import Lifecycle
 
 
 #: The GEMM operands whose scaling state a record keeps: activations and output gradients.
@@ -232,19 +233,12 @@ class FP8ParamState:
     #: ``quantize_module_``: a write into the local shard alone finds its DTensor (and so its
     #: groups) there before anything else bound the layout
     home: tuple | None = None
-    #: the FP8 bytes are still to be made from the values plane (``QuantizedTensor.hp_init``): a
-    #: weight built on the meta device, until ``finish_init_`` quantizes what its init wrote
-    bytes_pending: bool = False
-    #: a meta-built weight: ``False`` once ``to_empty`` allocated it, ``True`` once its init wrote
-    #: it (``None``: not meta-built); ``finish_init_`` names the weights still ``False``
-    init_written: bool | None = None
-    #: FP8 bytes were loaded from a checkpoint's entry (``model.load_state_dict``) since the last
-    #: step; with :attr:`master_loaded` both sides of one checkpoint came in (in either order, as
-    #: ``set_state_dict`` loads the optimizer first), else the master follows the loaded bytes at
-    #: the next step (``param_writes.masters_follow_loaded_bytes_``)
-    bytes_loaded: bool = False
-    #: the optimizer's master was loaded (``MasterWeightOptimizer.load_state_dict``) since the last step
-    master_loaded: bool = False
+    #: where the FP8 bytes stand (a meta-built weight's are made from the values its init writes into
+    #: ``QuantizedTensor.hp_init``) and what a load brought since the last step (FP8 bytes from a
+    #: checkpoint's entry, the optimizer's master: with both, in either order, the saved master
+    #: stands; with bytes alone the master follows them at the next step,
+    #: ``param_writes.masters_follow_loaded_bytes_``); see the note in ``lifecycle.py``
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
     #: ``(weak reference to a tensor, weak references to plane tensors)`` per same-device cast or
     #: GEMM transpose view made of that tensor: a GEMM on a tensor holding those plane tensors reads
     #: the planes that tensor holds by then (see :meth:`read_through_` and ``ops/copies.reads_from``)
@@ -263,7 +257,7 @@ class FP8ParamState:
         copied = FP8ParamState(
             weight_scaling=copy.deepcopy(self.weight_scaling, memo),
             operand_scaling=copy.deepcopy(self.operand_scaling, memo),
-            layout=self.layout, bytes_pending=self.bytes_pending, init_written=self.init_written)
+            layout=self.layout, lifecycle=self.lifecycle.copied())
         memo[id(self)] = copied
         module = None if self.home is None else self.home[0]()
         twin = memo.get(id(module)) if module is not None else None
@@ -274,11 +268,13 @@ class FP8ParamState:
     def __getstate__(self) -> dict:
         module = None if self.home is None else self.home[0]()
         return {"weight_scaling": self.weight_scaling, "operand_scaling": self.operand_scaling,
-                "layout": self.layout, "bytes_pending": self.bytes_pending, "init_written": self.init_written,
+                "layout": self.layout, "lifecycle": self.lifecycle.copied(),
                 "home": None if module is None else (module, self.home[1])}
 
     def __setstate__(self, state: dict) -> None:
         home = state.pop("home")
+        if "bytes_pending" in state:  # pickled before the lifecycle had its own record
+            state["lifecycle"] = Lifecycle.from_flags(state.pop("bytes_pending"), state.pop("init_written"))
         self.__init__(**state)
         if home is not None:
             self.home = (weakref.ref(home[0]), home[1])

@@ -21,9 +21,9 @@ here (:func:`write_hp_values_`):
   into it, so the next step continues from them instead of requantizing the old master over
   them. Before the optimizer, the values are kept for the masters to start from (``hp_init``).
 * a load of FP8 bytes (``model.load_state_dict`` of a checkpoint's entry, ``ops/copies.py``) marks
-  the record (``bytes_loaded``): at the next step the master takes the loaded bytes' values
-  (:func:`masters_follow_loaded_bytes_`), unless the optimizer's own state was loaded since the
-  last step too (``master_loaded``, in either order: torch's ``set_state_dict`` loads the
+  the record's lifecycle (``LoadedSinceStep.BYTES``, ``lifecycle.py``): at the next step the master
+  takes the loaded bytes' values (:func:`masters_follow_loaded_bytes_`), unless the optimizer's own
+  state was loaded since the last step too (``MASTER``, in either order: torch's ``set_state_dict`` loads the
   optimizer first), where the saved master, more precise than its FP8 rounding, stands.
 * a meta-built weight whose bytes are still pending takes the values as its init (``hp_init``);
   ``finish_init_`` (the optimizer calls it) makes the bytes, with the same scale scope.
@@ -67,7 +67,7 @@ def write_hp_values_(items) -> None:
         values = values.reshape(q.shape)
         if q.bytes_pending:  # a meta-built weight's init: finish_init_ makes its bytes
             q.hp_init.copy_(values)
-            q.param_state.init_written = True
+            q.param_state.lifecycle.mark_init_written()
             continue
         _check_master_covers(name, q)
         made.append((name or f"weight {tuple(q.shape)}", weight, values.to(q.device, torch.float32)))
@@ -88,7 +88,7 @@ def write_hp_values_(items) -> None:
         master = record.master_tensor()
         if master is not None:
             local_tensor(master).copy_(values)
-            record.bytes_loaded = record.master_loaded = False
+            record.lifecycle.reset_loaded()
         if q.hp_init is not None:  # no optimizer yet: the masters start from the written values
             q.hp_init.copy_(values)
 
@@ -187,7 +187,7 @@ def _check_master_covers(name, q: QuantizedTensor) -> None:
 @torch.no_grad()
 def masters_follow_loaded_bytes_(masters) -> None:
     """Write each master whose weight's bytes were loaded from a checkpoint entry since
-    (``FP8ParamState.bytes_loaded``: ``model.load_state_dict`` without the optimizer's state after
+    (``Lifecycle.master_follows_loaded_bytes``: ``model.load_state_dict`` without the optimizer's state after
     it) from those bytes, dequantized: the next step then continues from the loaded weights
     instead of requantizing the old master over them.
 
@@ -199,17 +199,17 @@ def masters_follow_loaded_bytes_(masters) -> None:
     """
     for p, master in masters.items():
         record = local_tensor(p).param_state
-        if record.bytes_loaded and not record.master_loaded:
+        if record.lifecycle.master_follows_loaded_bytes:
             target = local_tensor(master)
             target.copy_(local_tensor(p).dequantize(target.dtype))
-        record.bytes_loaded = record.master_loaded = False
+        record.lifecycle.reset_loaded()
 
 
 def master_loaded_(masters) -> None:
     """The optimizer's own masters were just loaded (``MasterWeightOptimizer.load_state_dict``):
     bytes loaded in the same resume, before or after, came with them and do not overwrite them."""
     for p in masters:
-        local_tensor(p).param_state.master_loaded = True
+        local_tensor(p).param_state.lifecycle.mark_master_loaded()
 
 
 __all__ = ["write_hp_values_", "check_copy_source", "CheckedToEmpty", "to_empty_refusal", "masters_follow_loaded_bytes_", "master_loaded_"]

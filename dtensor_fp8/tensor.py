@@ -263,9 +263,9 @@ class QuantizedTensor(torch.Tensor):
         """Whether the parameter's FP8 bytes are still to be made from :attr:`hp_init` (a model
         built on the meta device: the user's init writes :attr:`hp_init`;
         ``dtensor_fp8.finish_init_``, which :class:`MasterWeightOptimizer` calls, quantizes it).
-        The owner's (``param_state.bytes_pending``): one answer for the shard and every tensor
+        The owner's (``param_state.lifecycle``): one answer for the shard and every tensor
         derived from it. Reading a plane raises until then."""
-        return self._param_state.bytes_pending
+        return self._param_state.lifecycle.bytes_pending
 
     def take_hp_init(self) -> torch.Tensor | None:
         """Hand the values plane (:attr:`hp_init`) over (to become a master) and drop this
@@ -343,7 +343,7 @@ class QuantizedTensor(torch.Tensor):
 
     def check_bytes_made(self) -> None:
         """Raise, with the fix, if this weight's FP8 bytes are still pending (see :attr:`bytes_pending`)."""
-        if self._param_state.bytes_pending:
+        if self._param_state.lifecycle.bytes_pending:
             raise RecipeError(
                 f"{self._recipe.name}: this FP8 weight of shape {tuple(self.shape)} was built on the meta device and "
                 "its FP8 bytes are not made yet. After model.to_empty(...) and your init, build the "

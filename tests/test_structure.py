@@ -29,7 +29,7 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 #: test keeps each layer acyclic). ``te`` plugs in from the top: nothing below imports it.
 LAYERS = [
     ("recipes", ["settings", "_compat", "layout", "formats", "formats.*"]),
-    ("tensor", ["op_table", "param_state", "tensor", "quantize", "gemm", "linear"]),
+    ("tensor", ["op_table", "lifecycle", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "scale_slots", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm",
                      "requantize", "param_writes"]),
     ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_masters", "optim_state", "module", "state_dict", "hp_load", "checkpoint", "checkpoint.*", "export_fp8",
@@ -459,3 +459,55 @@ def test_quantized_tensor_holds_storage_only():
         f"{fields_beyond_storage(d.QuantizedTensor.__annotations__, instances)}. Keep lifecycle state (pending "
         "bytes, casts, caches, per-gather or scaling state) in its owner record, FP8ParamState (param_state.py), "
         "where every tensor derived from the parameter finds it")
+
+
+# ---- an FP8 weight's lifecycle is written by its owner only ----------------------------------------------
+#: the attributes holding an FP8 weight's lifecycle (``dtensor_fp8/lifecycle.py``) and the flags they
+#: replaced: only ``lifecycle.py`` assigns them, through its transition methods
+LIFECYCLE_FIELDS = {"lifecycle", "_bytes_state", "_loaded_since_step", "bytes_state", "loaded_since_step",
+                    "bytes_pending", "init_written", "bytes_loaded", "master_loaded"}
+LIFECYCLE_OWNER = PACKAGE / "lifecycle.py"
+
+
+def lifecycle_writes(source: str) -> list[str]:
+    """Assignments (plain, augmented, annotated, ``setattr`` / ``object.__setattr__`` with the name
+    spelled out) to an attribute in :data:`LIFECYCLE_FIELDS` in ``source``, as ``"name:line"``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "object.__setattr__") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in LIFECYCLE_FIELDS:
+            found.append((node.lineno, node.col_offset, node.args[1].value))
+        for target in targets:
+            for t in ast.walk(target):  # a, b.x = ... and (b.x, c.y) = ...
+                if isinstance(t, ast.Attribute) and t.attr in LIFECYCLE_FIELDS and isinstance(t.ctx, ast.Store):
+                    found.append((t.lineno, t.col_offset, t.attr))
+    return [f"{name}:{line}" for line, _, name in sorted(found)]
+
+
+def test_the_lifecycle_check_sees_what_it_looks_for():
+    src = ("q.param_state.init_written = True\nr.bytes_loaded = r.master_loaded = False\nsetattr(r, 'bytes_pending', 1)\n"
+           "r.lifecycle._bytes_state: object = None\nok = q.bytes_pending and r.lifecycle.bytes_state\n"
+           "r.lifecycle.mark_made()\nstate['lifecycle'] = x\nr._loaded_since_step |= 1\n")
+    assert lifecycle_writes(src) == ["init_written:1", "bytes_loaded:2", "master_loaded:2", "bytes_pending:3",
+                                     "_bytes_state:4", "_loaded_since_step:8"]
+
+
+def _lifecycle_checked_files() -> list[Path]:
+    root = PACKAGE.parent
+    return [p for folder in ("dtensor_fp8", "tests", "examples") for p in sorted((root / folder).rglob("*.py"))
+            if p != LIFECYCLE_OWNER]
+
+
+def test_only_the_owner_writes_the_lifecycle():
+    files = _lifecycle_checked_files()
+    assert len(files) > len(MODULES)  # the package, the tests and the examples are read
+    writes = {str(p.relative_to(PACKAGE.parent)): found for p in files if (found := lifecycle_writes(p.read_text()))}
+    assert not writes, (
+        f"an FP8 weight's lifecycle is written outside dtensor_fp8/lifecycle.py: {writes}. Call the transition of "
+        "record.lifecycle (Lifecycle.mark_to_empty, mark_init_written, mark_made, mark_bytes_loaded, ...) instead; "
+        "a new transition belongs in lifecycle.py, with the states it starts from")

@@ -388,5 +388,6 @@ def test_the_values_plane_goes_where_the_fp8_planes_go():
         q.rebuild({u: p for u, p in top.planes.items()}, shape=(128, 128))
     pending = fp8_parameter_values(torch.empty(256, 128, device="meta"), d.MXFP8())
     assert pending.bytes_pending and pending[:128].bytes_pending  # the owner's flag: one for all
-    pending.param_state.bytes_pending = False
+    pending.param_state.lifecycle.mark_init_written()
+    pending.param_state.lifecycle.mark_made()
     assert not pending[:128].bytes_pending

@@ -47,7 +47,7 @@ def _view(func, args, kwargs):
         # An init reshaping a weight whose bytes are pending reads or writes its values (torchtitan's
         # fused-QKV init views a scratch ``new_empty`` as (heads, ..., dim)): see ops/init.py's note.
         # What is done through the view is not seen here: count the weight as written.
-        q.param_state.init_written = True
+        q.param_state.lifecycle.mark_init_written()
         return func(q.hp_init, size)
     if torch.Size(size) != q.shape:
         raise RecipeError(
@@ -177,7 +177,8 @@ def _copy_(func, args, kwargs):
             raise RecipeError(f"copy_: {src.recipe.name} source of shape {tuple(src.shape)} holds init values without "
                               "FP8 bytes; the destination has no room for them (make it with new_zeros/empty_like)")
         dst.hp_init.copy_(src.hp_init)
-        dst.param_state.bytes_pending = True  # another owner's values (the same owner: already pending)
+        if dst.param_state is not src.param_state:  # another owner's values (the same owner's: FSDP2's padded shard)
+            dst.param_state.lifecycle.mark_copied_pending_values()
         return dst
     if src.recipe != dst.recipe:
         raise RecipeError(f"copy_: recipe mismatch, destination {dst.recipe!r} vs source {src.recipe!r}")
@@ -204,7 +205,7 @@ def _copy_(func, args, kwargs):
         # exist yet are stale now: it will start from these bytes.
         dst.param_state.copy_from_(src.param_state)
         if dst.param_state.master_tensor() is not None:
-            dst.param_state.bytes_loaded = True
+            dst.param_state.lifecycle.mark_bytes_loaded()
         if src.hp_init is None and not dst.bytes_pending:
             dst.take_hp_init()
     dst.discard_transpose_cache()

@@ -54,7 +54,7 @@ def _init_in_place(func, args, kwargs):
             "(or build the model on the meta device, quantize_module_, fully_shard, to_empty, then init), or load "
             "new values with dtensor_fp8.load_hp_state_dict.")
     func(q.hp_init, *[_values(a) for a in args[1:]], **kwargs)
-    q.param_state.init_written = True
+    q.param_state.lifecycle.mark_init_written()
     return q
 
 
@@ -67,7 +67,7 @@ def _pending_values(func, args, kwargs):
         return NotImplemented
     if func._schema.is_mutable:  # an in-place op of the init writes the values it runs on
         for t in tensors:
-            t.param_state.init_written = True
+            t.param_state.lifecycle.mark_init_written()
     return func(*tree_map_only(QuantizedTensor, lambda t: t.hp_init, args),
                 **tree_map_only(QuantizedTensor, lambda t: t.hp_init, kwargs))
 

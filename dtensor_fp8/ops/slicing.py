@@ -220,7 +220,7 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLA
     """
     device = device or q.device
     if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
-        q.param_state.init_written = False  # ``to_empty``: the user's init is to write it (finish_init_ checks)
+        q.param_state.lifecycle.mark_to_empty()  # the user's init is to write it (finish_init_ checks)
     if phase is _SAME_PLACE:  # an unplaced q (see tensor.py's note) makes an unplaced tensor
         phase = q.phase if q.placed else None
     planes = {}
