@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .linear_step import Block
@@ -62,15 +61,7 @@ class RotaryBlock(Block):
         v = v.reshape(s, b, sh.kv_heads, d).permute(1, 2, 0, 3)
         groups = sh.heads // sh.kv_heads
         k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))  # GQA: KV heads repeated (HF's repeat_kv)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
-        x = x + self.proj(a)
-        y = self.fc1(self.ln2(x))
-        if sh.mlp == "swiglu":
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate="tanh")
-        return x + self.fc2(y)
+        return self.attention_and_mlp(x, q, k, v)
 
 
 POSITIONS = ("rope", "learned")

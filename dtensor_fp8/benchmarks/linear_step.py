@@ -101,10 +101,16 @@ class Block(nn.Module):
         q = q.reshape(s, b, sh.heads, d).permute(1, 2, 0, 3)
         k, v = (t.reshape(s, b, sh.kv_heads, 1, d).expand(s, b, sh.kv_heads, sh.heads // sh.kv_heads, d)
                 .reshape(s, b, sh.heads, d).permute(1, 2, 0, 3) for t in (k, v))  # GQA: KV heads repeated (HF's repeat_kv)
+        return self.attention_and_mlp(x, q, k, v)
+
+    def attention_and_mlp(self, x, q, k, v):
+        """The block after its query / key / value heads (``(batch, heads, seq, head_dim)``, KV heads
+        already repeated): causal attention, the output projection's residual, then the MLP's."""
+        s, b, h = x.shape
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, h)
         x = x + self.proj(a)
         y = self.fc1(self.ln2(x))
-        if sh.mlp == "swiglu":
+        if self.shape.mlp == "swiglu":
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
