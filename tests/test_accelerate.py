@@ -10,8 +10,9 @@ accelerate re-reads), with an FSDP2 plugin.
 What had gone wrong: ``prepare`` re-maps the optimizer's parameters by ``data_ptr()``, and every
 FP8 parameter reports 0 (a wrapper tensor without storage), so the 14 FP8 weights collapsed onto
 one in ``param_groups``; in accelerate's order (optimizer first) the masters also belonged to the
-parameters ``prepare`` replaced. ``MasterWeightOptimizer`` now re-derives its groups by FQN before
-each use, reading ``param_groups`` included, and follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
+parameters ``prepare`` replaced. ``MasterWeightOptimizer.follow_model()``, called right after
+``prepare`` (and by ``step``, ``zero_grad``, ``load_state_dict``), re-derives its groups by FQN and
+follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
 ``data_ptr()``: torch takes 0 to mean a wrapper without storage, in ``deepcopy`` and pickling).
 
 accelerate and lightning are test extras (``pip install -e ".[test,frameworks]"``).
@@ -87,6 +88,8 @@ def _prepared(order: str, recipe: str = RECIPE, seed: int = 0, mixed_precision: 
     else:
         opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=LR)
     model, opt = accelerator.prepare(model, opt)
+    if order != "plain":
+        opt.optimizer.follow_model()  # prepare re-pointed the groups (see the docstring)
     return accelerator, model, opt
 
 
