@@ -284,13 +284,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         their parameters, each once, by FQN; masters, inner and scaling state and hyper-parameters
         move exactly to parameters the model replaced. One identity test per group otherwise.
 
-        ``step``, ``zero_grad``, ``add_param_group`` and ``load_state_dict`` call it; reads do not
-        (an LR scheduler reads ``param_groups`` every step): ``state``, ``state_dict()``,
-        ``masters`` and ``master_of`` refuse groups not followed yet.
+        Who calls it: torch's optimizer API, on every rank, as a save or a step runs there
+        (``step``, ``zero_grad``, ``add_param_group``, ``state_dict``, ``load_state_dict`` and reads of
+        ``state``, which torch's state-dict helpers make first), so ``accelerator.save_state`` /
+        ``load_state`` right after ``prepare`` work. Not ``param_groups`` (a plain read: an LR
+        scheduler reads it every step), and not this class's own accessors ``masters`` /
+        ``master_of``, which may be read on one rank (logging): following can rebuild the optimizer,
+        which agrees across ranks, so they refuse groups not followed yet, naming this fix.
 
         Example:
             >>> model, opt = accelerator.prepare(model, opt)
-            >>> opt.optimizer.follow_model()   # accelerate's wrapper holds this optimizer
+            >>> opt.optimizer.follow_model()   # before reading opt.optimizer.masters
         """
         parts = self._parts
         if optim_follow.unchanged(parts):
@@ -307,12 +311,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # This object stays (accelerate's wrapper and LR schedulers hold it, with its hooks): it takes
         # the rebuilt one's parts, the masters' ownership and the requantization over the new tensors.
         self._parts, self._ownership, self._requantize = rebuilt._parts, rebuilt._ownership, rebuilt._requantize
-        self.state = StateView(self._parts, self._materialize_state)
+        self.state.follow(self._parts)
 
     def state_dict(self) -> dict:
         """torch's optimizer state-dict format: ``state`` keyed by integer ids in ``param_groups``
         order, with DTensors laid out like the parameters (see the note), and ``param_groups``."""
-        self._check_groups_bound("state_dict")
+        self.follow_model()  # a save is an action, as a load is: accelerate's save_state may come before any step
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -419,14 +423,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         check_masters_linked(self.__dict__.get("_ownership"), what)
 
     def _check_groups_bound(self, what: str) -> None:
-        """Reads follow nothing (see :meth:`follow_model`): with groups not followed yet they refuse
-        rather than show the state of parameters the model may no longer have."""
+        """This class's own accessors follow nothing (see :meth:`follow_model`): with groups not
+        followed yet they refuse rather than show the state of parameters the model may no longer have."""
         if not optim_follow.unchanged(self._parts):
             raise RuntimeError(
                 f"MasterWeightOptimizer.{what}: param_groups hold parameter lists put there after construction "
-                "(accelerate's prepare does this), not followed yet. Fix: call opt.follow_model() first (with "
-                "accelerate: opt.optimizer.follow_model() right after accelerator.prepare); step(), zero_grad() "
-                "and load_state_dict() call it themselves. Nothing was changed.")
+                "(accelerate's prepare does this), not followed yet. Fix: call opt.follow_model() first, on every "
+                "rank (with accelerate: opt.optimizer.follow_model() right after accelerator.prepare); step(), "
+                "zero_grad(), state_dict() and load_state_dict() call it themselves. Nothing was changed.")
 
     def _sync_hyperparameters(self) -> None:
         """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
@@ -517,7 +521,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Create the inner optimizer's state for every trainable tensor that has none (see the
         note): one inner step with zero gradients, lr 0 and weight decay 0, then ``step`` counters
         set back to 0. Values are unchanged."""
-        self._check_groups_bound("state")
+        self.follow_model()  # torch's state-dict helpers read state first, on every rank (a save)
         inner = self._parts.inner
         missing = {id(t): t for t in self._parts.inner_of.values() if t.requires_grad and t not in inner.state}
         if not missing:

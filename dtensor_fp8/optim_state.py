@@ -75,12 +75,18 @@ class StateView(dict):
         self._seen = None
         self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
 
+    def follow(self, parts: OptimizerParts) -> None:
+        """Show ``parts`` from now on (``MasterWeightOptimizer.follow_model`` rebuilt them): the object
+        stays, since torch's utilities may hold it while it is read."""
+        self._parts, self._seen = parts, None
+        self._views.clear()
+
     def forget_views(self) -> None:
         """Drop the DTensor views kept of the inner state (after a load replaced its tensors)."""
         self._views.clear()
 
     def _refresh(self) -> None:
-        self._materialize()
+        self._materialize()  # follows the model first (may call follow() above)
         parts = self._parts
         if self._seen == parts.generation:
             return

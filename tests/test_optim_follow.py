@@ -60,25 +60,31 @@ def test_groups_collapsed_by_a_data_ptr_match_are_restored():
     assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
 
 
-def test_reads_follow_nothing_and_refuse_groups_not_followed():
+def test_param_groups_is_a_plain_read_and_own_accessors_refuse_groups_not_followed():
     """Reading ``param_groups`` (as every LR scheduler does each step) is a plain read: it shows the
-    list put there and rebuilds nothing; ``state``, ``state_dict()``, ``masters`` and ``master_of``
-    refuse until ``follow_model()`` (or an action) followed the model, naming the fix. Before this
-    the getter itself followed the model."""
+    list put there and rebuilds nothing; ``masters`` and ``master_of`` (this class's own accessors,
+    read perhaps on one rank) refuse until ``follow_model()`` followed the model, naming the fix;
+    torch's ``state`` and ``state_dict()`` (read on every rank by torch's state-dict helpers, as
+    accelerate's ``save_state`` does right after ``prepare``) follow it. Before this the
+    ``param_groups`` getter itself followed the model."""
     model = _model()
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
     masters = dict(opt.masters)
-    _collapse(opt)
-    collapsed = opt.param_groups[0]["params"]
-    assert [g["lr"] for g in opt.param_groups] == [1e-2]  # what a scheduler reads
-    assert opt.param_groups[0]["params"] is collapsed
-    for read in (opt.state_dict, lambda: len(opt.state), lambda: opt.masters, lambda: opt.master_of(model[0].weight)):
-        with pytest.raises(RuntimeError, match=r"not followed yet\. Fix: call opt\.follow_model\(\) first"):
-            read()
-    opt.follow_model()
-    assert opt.param_groups[0]["params"] is not collapsed
-    assert opt.masters.keys() == masters.keys() and all(opt.masters[k] is m for k, m in masters.items())
-    assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    state_view = opt.state
+    for follows in (lambda: opt.follow_model(), lambda: len(opt.state), opt.state_dict):
+        params = _collapse(opt)
+        collapsed = opt.param_groups[0]["params"]
+        assert [g["lr"] for g in opt.param_groups] == [1e-2]  # what a scheduler reads
+        assert opt.param_groups[0]["params"] is collapsed
+        for read in (lambda: opt.masters, lambda: opt.master_of(model[0].weight)):
+            with pytest.raises(RuntimeError, match=r"not followed yet\. Fix: call opt\.follow_model\(\) first"):
+                read()
+        follows()
+        assert opt.param_groups[0]["params"] is not collapsed
+        assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+        assert opt.masters.keys() == masters.keys() and all(opt.masters[k] is m for k, m in masters.items())
+        assert opt.state is state_view  # one object: torch's helpers may hold it while reading
+        assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
 
 
 def test_replaced_parameters_are_followed_exactly():
