@@ -66,8 +66,9 @@ from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
-from .optim_masters import check_master_dtype, check_masters_linked, first_optimizers_master, take_masters_over
-from .optim_state import MASTER_KEY, StateView, as_global
+from .optim_masters import (check_master_dtype, check_masters_linked, first_optimizers_master, own_tensor,
+                            take_masters_over)
+from .optim_state import OptimizerParts, StateView
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
 
@@ -145,11 +146,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.model = model
         finish_init_(model)  # a meta-built model's FP8 bytes, from the values its init wrote
         groups = _param_groups(model if params is None else params)
-        self._fqn = _fqns(model, groups)
-        #: FP8 parameter -> its master (an ``nn.Parameter``, a DTensor like the parameter when sharded)
-        self._masters: dict[torch.Tensor, nn.Parameter] = {}
-        #: model parameter -> what the inner optimizer steps for it (see the note)
-        self._inner_of: dict[torch.Tensor, torch.Tensor] = {}
+        #: masters, inner tensors, FQNs, groups: what the helper modules read, passed to them explicitly
+        parts = self._parts = OptimizerParts(fqn=_fqns(model, groups))
         with torch.no_grad():
             for p in (p for g in groups for p in g["params"]):
                 bind_layout_(p)
@@ -158,54 +156,48 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     init = local.take_hp_init()
                     kept = first_optimizers_master(p, local)
                     if init is not None:
-                        master_local = _own_tensor(init.to(device=local.device, dtype=master_dtype), init)
+                        master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
                     elif kept is not None and kept.shape == local.shape:
                         # a second optimizer: the first one's masters, not their FP8 rounding
                         master_local = kept.to(dtype=master_dtype, copy=True)
                     else:
                         master_local = local.dequantize(master_dtype)
                     master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
-                    self._masters[p] = master
-                    self._inner_of[p] = _local_alias(master)
+                    parts.masters[p] = master
+                    parts.inner_of[p] = _local_alias(master)
                 else:
-                    self._inner_of[p] = _local_alias(p)
-        self._inner: torch.optim.Optimizer | None = None
-        inner = optimizer_cls([{**g, "params": [self._inner_of[p] for p in g["params"]]} for g in groups], **defaults)
-        super().__init__(groups, inner.defaults)
-        self._inner = inner
+                    parts.inner_of[p] = _local_alias(p)
+        inner = optimizer_cls([{**g, "params": [parts.inner_of[p] for p in g["params"]]} for g in groups], **defaults)
+        super().__init__(groups, inner.defaults)  # parts.inner is None: add_param_group leaves it alone
+        parts.inner = inner
         self._sync_hyperparameters()
         # The weight scaling state of stateful recipes (delayed scaling's amax history), made now in
         # each parameter's owner record from its plane's current scale: a fresh optimizer is then a
         # complete checkpoint template.
-        for p in self._masters:
+        for p in parts.masters:
             q = local_tensor(p)
             for usage, plane in q.planes.items():
                 q.param_state.weight_state(q.recipe, usage, plane)
         self._requantize = GraphedRequantize(cuda_graph)
-        self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
-        #: bumped whenever the inner state may have new tensors (a step, a load): ``state`` re-reads it
-        self._generation = 0
-        self.state = StateView(self)
-        #: how to build this optimizer again over replaced parameters (see _follow_model)
-        self._built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
+        self.state = StateView(parts, self._materialize_state)
+        parts.built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
                             "nonfinite": nonfinite, **defaults}
-        self._bound = optim_follow.snapshot(self)
+        parts.bound = optim_follow.snapshot(parts.groups)
         # Built: this optimizer now owns its weights' masters (writes into the weights update them,
         # param_writes.py); an optimizer that owned them before stops acting (optim_masters.py).
-        self._ownership = take_masters_over(self._masters, self._fqn)
+        self._ownership = take_masters_over(parts.masters, parts.fqn)
 
     # ---- torch.optim.Optimizer API -------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        """torch's ``param_groups``. Read after a framework replaced their parameters (accelerate's
-        ``prepare``), they already hold the model's current parameters (optim_follow.py)."""
-        if "_bound" in self.__dict__ and not self.__dict__.get("_following", False):
-            self._follow_model()
-        return self._groups
+        """torch's ``param_groups``: a plain read (LR schedulers read it every step). After a
+        framework replaced their parameter lists (accelerate's ``prepare``), :meth:`follow_model`
+        puts the model's current parameters back into them."""
+        return self._parts.groups
 
     @param_groups.setter
     def param_groups(self, groups: list[dict]) -> None:
-        self._groups = groups
+        self._parts.groups = groups
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group of model parameters (torch's ``add_param_group``; e.g. layers unfrozen later).
@@ -213,33 +205,30 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         High-precision parameters only (an FP8 parameter's master is made at construction). A
         refused group leaves the optimizer as it was.
         """
-        if self._inner is None:  # inside __init__: the inner optimizer is built with every group
+        if self._parts.inner is None:  # inside __init__: the inner optimizer is built with every group
             super().add_param_group(param_group)
             return
-        self._follow_model()
-        self._following = True  # the groups grow here, before the snapshot that follows them
-        outer, inner = len(self._groups), len(self._inner.param_groups)
+        self.follow_model()
+        outer, inner = len(self._parts.groups), len(self._parts.inner.param_groups)
         try:  # torch's checks run inside and append the group: a refusal after that takes it out again
             super().add_param_group(param_group)
-            group = self._groups[-1]
+            group = self._parts.groups[-1]
             fp8 = [p for p in group["params"] if isinstance(local_tensor(p), QuantizedTensor)]
             if fp8:
                 raise ValueError(
-                    f"MasterWeightOptimizer.add_param_group: {self._fqn_of(fp8[0])} is an FP8 parameter; its master "
-                    "is made at construction. Pass every FP8 parameter when building the optimizer "
+                    f"MasterWeightOptimizer.add_param_group: {self._parts.fqn_of(fp8[0])} is an FP8 parameter; its "
+                    "master is made at construction. Pass every FP8 parameter when building the optimizer "
                     "(frozen ones may have requires_grad=False).")
             names = _fqns(self.model, [group])
             aliases = {p: _local_alias(p) for p in group["params"]}
-            self._inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
-            self._inner_of.update(aliases)
-            self._fqn.update(names)
-            self._bound = optim_follow.snapshot(self)
+            self._parts.inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
+            self._parts.inner_of.update(aliases)
+            self._parts.fqn.update(names)
+            self._parts.bound = optim_follow.snapshot(self._parts.groups)
         except BaseException:
-            del self._groups[outer:]
-            del self._inner.param_groups[inner:]
+            del self._parts.groups[outer:]
+            del self._parts.inner.param_groups[inner:]
             raise
-        finally:
-            self._following = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -252,7 +241,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
-        self._follow_model()
+        self.follow_model()
         self._check_masters_linked("step")
         loss = None
         if closure is not None:
@@ -261,7 +250,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         materializing = self._hand_over_gradients()
         if not materializing:  # (not torch's state-creating step, which set_state_dict runs before its loads)
-            masters_follow_loaded_bytes_(self._masters)  # a model-only load since the last step: the masters follow it
+            masters_follow_loaded_bytes_(self._parts.masters)  # a model-only load since the last step: follow it
         if self.nonfinite != "ignore" and not materializing and self._gradients_not_finite():
             bad = self._nonfinite_parameters()
             self._drop_inner_gradients()
@@ -275,23 +264,59 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             warnings.warn(f"MasterWeightOptimizer.step: {what}; step skipped ({self.skipped_steps} so far)", stacklevel=2)
             return loss
-        self._inner.step()
+        self._parts.inner.step()
         self._drop_inner_gradients()
-        self._generation += 1
+        self._parts.generation += 1
         if not materializing:
-            update_operand_scaling_(self._masters)  # delayed scaling's GEMM operands: once per step
+            update_operand_scaling_(self._parts.masters)  # delayed scaling's GEMM operands: once per step
             self.requantize_()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._follow_model()
+        self.follow_model()
         super().zero_grad(set_to_none=set_to_none)
         self._drop_inner_gradients()
+
+    def follow_model(self) -> None:
+        """Follow the model after a framework replaced the groups' parameter lists: accelerate's
+        ``prepare`` re-maps them by ``data_ptr()`` (0 for every FP8 weight) and, in its own order,
+        shards the model after the optimizer was built (``optim_follow.py``). The groups get back
+        their parameters, each once, by FQN; masters, inner and scaling state and hyper-parameters
+        move exactly to parameters the model replaced. One identity test per group otherwise.
+
+        Who calls it: torch's optimizer API, on every rank, as a save or a step runs there
+        (``step``, ``zero_grad``, ``add_param_group``, ``state_dict``, ``load_state_dict`` and reads of
+        ``state``, which torch's state-dict helpers make first), so ``accelerator.save_state`` /
+        ``load_state`` right after ``prepare`` work. Not ``param_groups`` (a plain read: an LR
+        scheduler reads it every step), and not this class's own accessors ``masters`` /
+        ``master_of``, which may be read on one rank (logging): following can rebuild the optimizer,
+        which agrees across ranks, so they refuse groups not followed yet, naming this fix.
+
+        Example:
+            >>> model, opt = accelerator.prepare(model, opt)
+            >>> opt.optimizer.follow_model()   # before reading opt.optimizer.masters
+        """
+        parts = self._parts
+        if optim_follow.unchanged(parts):
+            return
+        replaced = optim_follow.restore_groups(parts, self.model, canonical_fqn)
+        if replaced is None:
+            return
+        saved = self.state_dict()
+        args = dict(parts.built_with)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": new}
+                  for g, new in zip(parts.groups, replaced)]
+        rebuilt = type(self)(self.model, args.pop("optimizer_cls"), groups, **args)
+        rebuilt.load_state_dict(saved)
+        # This object stays (accelerate's wrapper and LR schedulers hold it, with its hooks): it takes
+        # the rebuilt one's parts, the masters' ownership and the requantization over the new tensors.
+        self._parts, self._ownership, self._requantize = rebuilt._parts, rebuilt._ownership, rebuilt._requantize
+        self.state.follow(self._parts)
 
     def state_dict(self) -> dict:
         """torch's optimizer state-dict format: ``state`` keyed by integer ids in ``param_groups``
         order, with DTensors laid out like the parameters (see the note), and ``param_groups``."""
-        self._follow_model()
+        self.follow_model()  # a save is an action, as a load is: accelerate's save_state may come before any step
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -325,27 +350,28 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Args:
             state_dict: from :meth:`state_dict` (or torch's DCP helpers).
         """
-        self._follow_model()
+        self.follow_model()
         self._check_masters_linked("load_state_dict")
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        staged = stage_load(self, state_dict)
+        self._materialize_state()  # a fresh optimizer's state, as torch's state-dict helpers create it
+        staged = stage_load(self._parts, state_dict, check_finite=self.nonfinite != "ignore")
         # Everything is checked; torch's load builds the inner state before it replaces the old
         # one, and the copies below cannot fail.
-        self._inner.load_state_dict({"state": staged.inner_state, "param_groups": staged.inner_groups})
+        self._parts.inner.load_state_dict({"state": staged.inner_state, "param_groups": staged.inner_groups})
         for target, value in staged.masters:
             target.copy_(value)
-        master_loaded_(self._masters)
+        master_loaded_(self._parts.masters)
         for target, value in staged.scaling:
             target.copy_(value)
         for group, hyperparameters in staged.hyperparameters:
             group.update(hyperparameters)
         self._sync_hyperparameters()
-        self._views.clear()
-        self._generation += 1
+        self.state.forget_views()
+        self._parts.generation += 1
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -353,8 +379,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @property
     def masters(self) -> dict[str, nn.Parameter]:
         """FQN -> master of each FP8 parameter."""
-        self._follow_model()
-        return {self._fqn[p]: m for p, m in self._masters.items()}
+        self._check_groups_bound("masters")
+        return {self._parts.fqn[p]: m for p, m in self._parts.masters.items()}
 
     def master_of(self, param: torch.Tensor) -> nn.Parameter | None:
         """The master of the FP8 parameter ``param`` of the model (None for any other tensor).
@@ -362,43 +388,53 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.master_of(model.layers[0].w1.weight)
         """
-        self._follow_model()
-        return self._masters.get(param)
+        self._check_groups_bound("master_of")
+        return self._parts.masters.get(param)
 
     @property
     def scaling_states(self) -> dict[tuple[str, str], dict]:
         """``(fqn, plane) -> weight scaling state`` of stateful recipes (delayed scaling), as held by
         each parameter's owner record (``param_state.weight_scaling``; not this optimizer's)."""
-        return {(self._fqn[p], usage): state for p in self._masters
+        return {(self._parts.fqn[p], usage): state for p in self._parts.masters
                 for usage, state in local_tensor(p).param_state.weight_scaling.items()}
 
     @property
     def inner(self) -> torch.optim.Optimizer:
         """The torch optimizer doing the arithmetic, over local tensors (see the note)."""
-        return self._inner
+        return self._parts.inner
 
     @torch.no_grad()
     def requantize_(self) -> None:
         """Requantize every FP8 shard from its master (one amax all-reduce for spanning blocks)."""
         self._check_masters_linked("requantize_")
-        self._requantize([(self._fqn[p], p, self._inner_of[p]) for p in self._masters])
+        self._requantize([(self._parts.fqn[p], p, self._parts.inner_of[p]) for p in self._parts.masters])
 
     def __repr__(self) -> str:
         dtype = str(self.master_dtype).replace("torch.", "")
-        return (f"MasterWeightOptimizer({type(self._inner).__name__}, fp8_params={len(self._masters)}, "
+        return (f"MasterWeightOptimizer({type(self._parts.inner).__name__}, fp8_params={len(self._parts.masters)}, "
                 f"master_dtype={dtype}, groups={len(self.param_groups)})")
 
     # ---- internals -----------------------------------------------------------------------------------
     def _fqn_of(self, p) -> str:
-        return self._fqn.get(p, "<parameter>")
+        return self._parts.fqn.get(p, "<parameter>")
 
     def _check_masters_linked(self, what: str) -> None:
         """Refuse to act once a later optimizer took over these masters (optim_masters.py)."""
-        check_masters_linked(self, what)
+        check_masters_linked(self.__dict__.get("_ownership"), what)
+
+    def _check_groups_bound(self, what: str) -> None:
+        """This class's own accessors follow nothing (see :meth:`follow_model`): with groups not
+        followed yet they refuse rather than show the state of parameters the model may no longer have."""
+        if not optim_follow.unchanged(self._parts):
+            raise RuntimeError(
+                f"MasterWeightOptimizer.{what}: param_groups hold parameter lists put there after construction "
+                "(accelerate's prepare does this), not followed yet. Fix: call opt.follow_model() first, on every "
+                "rank (with accelerate: opt.optimizer.follow_model() right after accelerator.prepare); step(), "
+                "zero_grad(), state_dict() and load_state_dict() call it themselves. Nothing was changed.")
 
     def _sync_hyperparameters(self) -> None:
         """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
-        for outer, inner in zip(self.param_groups, self._inner.param_groups, strict=True):
+        for outer, inner in zip(self.param_groups, self._parts.inner.param_groups, strict=True):
             for key, value in outer.items():
                 if key != "params" and inner.get(key) is not value:
                     inner[key] = value
@@ -407,13 +443,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """The process groups over which every rank stepping these parameters must decide alike: the
         mesh dims of the parameters' own meshes (``groups.py``), never the world (under pipeline
         parallelism the other stages step other parameters, at other times)."""
-        return mesh_groups(self._inner_of)
+        return mesh_groups(self._parts.inner_of)
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
         one all-reduce of a flag per mesh group, one host read (what torch's GradScaler pays per step too)."""
-        grads = [t.grad for t in self._inner_of.values() if t.grad is not None]
-        device = next(iter(self._inner_of.values())).device if self._inner_of else torch.device("cpu")
+        grads = [t.grad for t in self._parts.inner_of.values() if t.grad is not None]
+        device = next(iter(self._parts.inner_of.values())).device if self._parts.inner_of else torch.device("cpu")
         if not grads:
             flag = torch.zeros(1, device=device)
         else:
@@ -425,14 +461,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def _nonfinite_parameters(self) -> list[str]:
         """FQNs of the parameters whose gradient is not finite, on any rank (the error path only)."""
-        local = sorted(self._fqn[p] for p, t in self._inner_of.items()
+        local = sorted(self._parts.fqn[p] for p, t in self._parts.inner_of.items()
                        if t.grad is not None and not bool(torch.isfinite(t.grad).all()))
         return union_over(local, self._agreement_groups())
 
     def _drop_inner_gradients(self) -> None:
         """Drop the inner tensors' references to this step's gradients (the model's own gradients stay
         where FSDP put them until ``zero_grad``)."""
-        for p, inner in self._inner_of.items():
+        for p, inner in self._parts.inner_of.items():
             if inner is not p:
                 inner.grad = None
 
@@ -442,8 +478,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         ``zeros_like(param)``, which for an FP8 parameter is an FP8 zero tensor): its gradients are
         zeros, and the FP8 weights need no requantization after it."""
         materializing = False
-        for p, inner in self._inner_of.items():
-            if isinstance(p, DTensor) and p not in self._masters:
+        for p, inner in self._parts.inner_of.items():
+            if isinstance(p, DTensor) and p not in self._parts.masters:
                 local = dtensor_local(p)
                 if inner.data_ptr() != local.data_ptr() or inner.shape != local.shape:
                     inner.data = local  # FSDP re-pointed the shard (lazy init): follow it
@@ -475,8 +511,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if wrong is not None:
             self._drop_inner_gradients()
             raise ValueError(
-                f"MasterWeightOptimizer.step: the gradient of {self._fqn_of(p)} {wrong}: the optimizer steps each "
-                "rank's shard, so a gradient must be laid out like its parameter (as FSDP's reduce-scatter leaves "
+                f"MasterWeightOptimizer.step: the gradient of {self._parts.fqn_of(p)} {wrong}: the optimizer steps "
+                "each rank's shard, so a gradient must be laid out like its parameter (as FSDP's reduce-scatter leaves "
                 "it). Fix: p.grad = grad.redistribute(p.device_mesh, p.placements) (or a gradient of the "
                 "parameter's shape). The step was not taken: nothing changed.")
 
@@ -485,56 +521,31 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """Create the inner optimizer's state for every trainable tensor that has none (see the
         note): one inner step with zero gradients, lr 0 and weight decay 0, then ``step`` counters
         set back to 0. Values are unchanged."""
-        self._follow_model()
-        missing = {id(t): t for t in self._inner_of.values() if t.requires_grad and t not in self._inner.state}
+        self.follow_model()  # torch's state-dict helpers read state first, on every rank (a save)
+        inner = self._parts.inner
+        missing = {id(t): t for t in self._parts.inner_of.values() if t.requires_grad and t not in inner.state}
         if not missing:
             return
         self._sync_hyperparameters()
-        saved = [(g, k, g[k]) for g in self._inner.param_groups for k in ("lr", "weight_decay") if k in g]
+        saved = [(g, k, g[k]) for g in self._parts.inner.param_groups for k in ("lr", "weight_decay") if k in g]
         for g, k, v in saved:
             g[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
-        grads = {t: t.grad for t in self._inner_of.values()}
+        grads = {t: t.grad for t in self._parts.inner_of.values()}
         try:
-            for t in self._inner_of.values():
+            for t in self._parts.inner_of.values():
                 t.grad = torch.zeros_like(t) if id(t) in missing else None
-            self._inner.step()
+            self._parts.inner.step()
         finally:
             for g, k, v in saved:
                 g[k] = v
             for t, g in grads.items():
                 t.grad = g
-        self._generation += 1
+        self._parts.generation += 1
         for t in missing.values():
-            state = self._inner.state.get(t, {})
+            state = self._parts.inner.state.get(t, {})
             if "step" in state:
                 step = state["step"]
                 state["step"] = step.zero_() if isinstance(step, torch.Tensor) else type(step)(0)
-
-    def _follow_model(self) -> None:
-        """Follow the model's parameters if something replaced them in ``param_groups`` after
-        construction (accelerate's ``prepare``; see optim_follow.py)."""
-        if self.__dict__.get("_following", False):  # optim_follow reads param_groups itself
-            return
-        self._following = True
-        try:
-            if not optim_follow.unchanged(self):
-                optim_follow.follow_model(self, canonical_fqn)
-        finally:
-            self._following = False
-
-    def _state_of(self, p) -> dict:
-        """``state[p]`` as torch's utilities see it (see the note): DTensor views of the inner
-        state's local tensors, made once per inner tensor and kept."""
-        out = {}
-        ref = self._masters.get(p, p)
-        if p in self._masters:
-            out[MASTER_KEY] = ref.detach()
-        for key, value in self._inner.state.get(self._inner_of[p], {}).items():
-            cached = self._views.get((id(p), key))
-            if cached is None or cached[0] is not value:
-                cached = self._views[(id(p), key)] = (value, as_global(ref, value))
-            out[key] = cached[1]
-        return out
 
 
 def _param_groups(params) -> list[dict]:
@@ -548,16 +559,6 @@ def _param_groups(params) -> list[dict]:
         return [{**g, "params": list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]}
                 for g in params]
     return [{"params": params}]
-
-
-def _own_tensor(master: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
-    """``master`` (``init`` converted) as a contiguous tensor of its own: ``init`` itself when it
-    already is one (a meta-built shard's values become the master without a copy), else a copy
-    (a view into a larger buffer, e.g. a CPU copy of the whole weight, would keep it alive)."""
-    if master.data_ptr() == init.data_ptr() and (
-            not master.is_contiguous() or master.untyped_storage().nbytes() != master.numel() * master.element_size()):
-        return master.clone(memory_format=torch.contiguous_format)
-    return master.contiguous()
 
 
 #: Path components that wrappers insert into parameter names and torch's state-dict helpers drop

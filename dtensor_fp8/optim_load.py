@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from ._compat import dtensor_local
 from .agreement import gather_findings
 from .groups import mesh_groups
-from .optim_state import MASTER_KEY, SCALING_PREFIXES, localize
+from .optim_state import MASTER_KEY, SCALING_PREFIXES, OptimizerParts, localize
 from .placement import local_tensor
 from .hp_load import nonfinite_problem
 
@@ -90,38 +90,39 @@ def _layout_problem(what: str, value, ref: torch.Tensor, current) -> str | None:
     return None
 
 
-def _current_states(opt) -> dict:
+def _current_states(parts: OptimizerParts) -> dict:
     """Parameter -> what this optimizer holds per state key now (inner state, master, scaling)."""
-    opt._materialize_state()  # a fresh optimizer's state, as torch's state-dict helpers create it
     out = {}
-    for g in opt.param_groups:
+    for g in parts.groups:
         for p in g["params"]:
-            own = dict(opt._inner.state.get(opt._inner_of[p], {}))
-            if p in opt._masters:
-                own[MASTER_KEY] = local_tensor(opt._masters[p])
+            own = dict(parts.inner.state.get(parts.inner_of[p], {}))
+            if p in parts.masters:
+                own[MASTER_KEY] = local_tensor(parts.masters[p])
                 own.update(local_tensor(p).param_state.weight_entries())
             out[p] = own
     return out
 
 
-def stage_load(opt, state_dict: dict) -> StagedLoad:
+def stage_load(parts: OptimizerParts, state_dict: dict, *, check_finite: bool) -> StagedLoad:
     """Check every entry of ``state_dict`` and stage this rank's part of it (see the note); raise
     the same error on every rank, naming every problem, with nothing written, if any fails.
 
     Args:
-        opt: the ``MasterWeightOptimizer`` loading.
+        parts: the loading ``MasterWeightOptimizer``'s parts, its inner state already created
+            (``_materialize_state``, as torch's state-dict helpers create any optimizer's state).
         state_dict: torch's optimizer state-dict format (after the load pre-hooks).
+        check_finite: refuse NaN or Inf values (False for ``nonfinite="ignore"``).
 
     Example:
-        >>> staged = stage_load(opt, state_dict)   # raises, or every value is checked and staged
+        >>> staged = stage_load(opt_parts, state_dict, check_finite=True)   # raises, or all is checked and staged
     """
     # Over the parameters' own mesh groups (never the world: other pipeline stages load other parameters).
-    group = mesh_groups(p for g in opt.param_groups for p in g["params"])
-    findings, states = _check_layout(opt, state_dict)
+    group = mesh_groups(p for g in parts.groups for p in g["params"])
+    findings, states = _check_layout(parts, state_dict)
     _refuse(gather_findings(findings, group))
     try:
-        staged = _stage(opt, state_dict, states)
-        findings = _nonfinite(staged, group) if opt.nonfinite != "ignore" else []
+        staged = _stage(parts, state_dict, states)
+        findings = _nonfinite(staged, group) if check_finite else []
     except Exception as err:  # noqa: BLE001  (this rank's failure, shared so every rank raises alike)
         rank = dist.get_rank(group=dist.group.WORLD) if dist.is_initialized() else 0
         staged, findings = None, [("layout", f"staging the values failed on rank {rank}: {type(err).__name__}: {err}")]
@@ -129,55 +130,55 @@ def stage_load(opt, state_dict: dict) -> StagedLoad:
     return staged
 
 
-def _check_layout(opt, state_dict: dict) -> tuple[list, dict]:
+def _check_layout(parts: OptimizerParts, state_dict: dict) -> tuple[list, dict]:
     saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(parts.groups):
         return [("layout", f"the state dict has {len(saved_groups)} param groups, this optimizer "
-                           f"{len(opt.param_groups)}; build the optimizer with the groups it was saved with")], {}
+                           f"{len(parts.groups)}; build the optimizer with the groups it was saved with")], {}
     id_map = {}
-    for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+    for i, (saved, group) in enumerate(zip(saved_groups, parts.groups)):
         if len(saved["params"]) != len(group["params"]):
             return [("layout", f"param group {i} has {len(saved['params'])} parameters in the state dict and "
                                f"{len(group['params'])} here; build the optimizer with the groups it was saved with")], {}
         id_map.update(zip(saved["params"], group["params"]))
     states = {id_map[k]: v for k, v in state_dict["state"].items() if k in id_map}
-    findings = [("missing", f"no {MASTER_KEY!r} for FP8 parameter {opt._fqn_of(p)}; the state dict was not saved by a "
+    findings = [("missing", f"no {MASTER_KEY!r} for FP8 parameter {parts.fqn_of(p)}; the state dict was not saved by a "
                             "MasterWeightOptimizer over this model (to start masters from high precision use "
                             "dtensor_fp8.load_hp_state_dict)")
-                for p in opt._masters if p.requires_grad and MASTER_KEY not in states.get(p, {})]
-    current = _current_states(opt)
+                for p in parts.masters if p.requires_grad and MASTER_KEY not in states.get(p, {})]
+    current = _current_states(parts)
     for p, saved in states.items():
         # A parameter's state is whole or absent: a step needs every key (a state missing
         # ``exp_avg_sq`` used to load, then failed the next step with a bare KeyError).
-        lacking = sorted(k for k in opt._inner.state.get(opt._inner_of[p], {}) if k not in saved)
+        lacking = sorted(k for k in parts.inner.state.get(parts.inner_of[p], {}) if k not in saved)
         if lacking:
-            findings.append(("missing", f"the state of {opt._fqn_of(p)} lacks {', '.join(map(repr, lacking))} (it holds "
-                                        f"{', '.join(map(repr, sorted(saved))) or 'nothing'}), which this "
-                                        f"{type(opt._inner).__name__} needs at every step"))
+            held = ", ".join(map(repr, sorted(saved))) or "nothing"
+            findings.append(("missing", f"the state of {parts.fqn_of(p)} lacks {', '.join(map(repr, lacking))} (it "
+                                        f"holds {held}), which this {type(parts.inner).__name__} needs at every step"))
         for key, value in saved.items():
-            scaling = p in opt._masters and key.startswith(SCALING_PREFIXES)
+            scaling = p in parts.masters and key.startswith(SCALING_PREFIXES)
             if scaling and key not in current[p]:
                 continue  # another recipe's scaling state: dropped (a recipe switch starts afresh)
-            ref = current[p][key] if scaling else opt._masters.get(p, p)
-            problem = _layout_problem(f"the {key} of {opt._fqn_of(p)}", value, ref, current[p].get(key))
+            ref = current[p][key] if scaling else parts.masters.get(p, p)
+            problem = _layout_problem(f"the {key} of {parts.fqn_of(p)}", value, ref, current[p].get(key))
             if problem:
                 findings.append(("layout", problem))
     return findings, states
 
 
-def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
-    inner_index = {inner: i for i, inner in enumerate(x for g in opt._inner.param_groups for x in g["params"])}
-    current = _current_states(opt)
+def _stage(parts: OptimizerParts, state_dict: dict, states: dict) -> StagedLoad:
+    inner_index = {inner: i for i, inner in enumerate(x for g in parts.inner.param_groups for x in g["params"])}
+    current = _current_states(parts)
     staged = StagedLoad({}, [], [], [], [], [])
     for p, saved in states.items():
-        ref = opt._masters.get(p, p)
+        ref = parts.masters.get(p, p)
         own = {}
         for key, value in saved.items():
-            what = f"{opt._fqn_of(p)}.{key}"
-            if key == MASTER_KEY and p in opt._masters:
+            what = f"{parts.fqn_of(p)}.{key}"
+            if key == MASTER_KEY and p in parts.masters:
                 local, into = localize(value, ref, what), local_tensor(ref).dtype
                 staged.masters.append((local_tensor(ref), local))
-            elif p in opt._masters and key.startswith(SCALING_PREFIXES):
+            elif p in parts.masters and key.startswith(SCALING_PREFIXES):
                 target = current[p].get(key)
                 if target is None:
                     continue
@@ -192,13 +193,13 @@ def _stage(opt, state_dict: dict, states: dict) -> StagedLoad:
                     _shape(mine) == _shape(local_tensor(ref))
                 local = own[key] = localize(value, ref, what) if shaped_like_ref else value
                 # torch's load casts floating state (but ``step``) to its parameter's dtype
-                into = mine.dtype if isinstance(mine, torch.Tensor) else opt._inner_of[p].dtype
-            staged.values.append((f"the {key} of {opt._fqn_of(p)}", local, into))
+                into = mine.dtype if isinstance(mine, torch.Tensor) else parts.inner_of[p].dtype
+            staged.values.append((f"the {key} of {parts.fqn_of(p)}", local, into))
         if own:
-            staged.inner_state[inner_index[opt._inner_of[p]]] = own
-    for saved, group in zip(state_dict["param_groups"], opt.param_groups):
+            staged.inner_state[inner_index[parts.inner_of[p]]] = own
+    for saved, group in zip(state_dict["param_groups"], parts.groups):
         hyper = {k: v for k, v in saved.items() if k != "params"}
-        staged.inner_groups.append({**hyper, "params": [inner_index[opt._inner_of[p]] for p in group["params"]]})
+        staged.inner_groups.append({**hyper, "params": [inner_index[parts.inner_of[p]] for p in group["params"]]})
         staged.hyperparameters.append((group, hyper))
     return staged
 

@@ -76,6 +76,24 @@ def first_optimizers_master(p: torch.Tensor, local: QuantizedTensor) -> torch.Te
     return master.detach()
 
 
+def own_tensor(master: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """``master`` (``init`` converted) as a contiguous tensor of its own: ``init`` itself when it
+    already is one (a meta-built shard's values become the master without a copy), else a copy
+    (a view into a larger buffer, e.g. a CPU copy of the whole weight, would keep it alive).
+
+    Args:
+        master: ``init`` converted to the master's device and dtype (possibly ``init`` itself).
+        init: the weight's kept high-precision init values.
+
+    Example:
+        >>> master_local = own_tensor(init.to(dtype=torch.float32), init)
+    """
+    if master.data_ptr() == init.data_ptr() and (
+            not master.is_contiguous() or master.untyped_storage().nbytes() != master.numel() * master.element_size()):
+        return master.clone(memory_format=torch.contiguous_format)
+    return master.contiguous()
+
+
 class Ownership:
     """One optimizer's claim on its masters (each master refers to it): which of its weights a
     later optimizer took over (FQNs), so a check of it costs one attribute read per step."""
@@ -101,7 +119,7 @@ def take_masters_over(masters: dict, fqns: dict) -> Ownership:
         The new optimizer's :class:`Ownership`.
 
     Example:
-        >>> opt._ownership = take_masters_over(opt._masters, opt._fqn)
+        >>> ownership = take_masters_over({weight: master}, {weight: "w1.weight"})
     """
     mine = Ownership()
     for p, master in masters.items():
@@ -115,19 +133,18 @@ def take_masters_over(masters: dict, fqns: dict) -> Ownership:
     return mine
 
 
-def check_masters_linked(opt, what: str) -> None:
-    """Refuse to act for ``opt`` once a later optimizer over the same weights took over their
+def check_masters_linked(ownership: Ownership | None, what: str) -> None:
+    """Refuse to act for an optimizer once a later optimizer over the same weights took over their
     masters (see the note): stepping it would requantize its stale masters over the weights the
     newer one trains. Nothing is changed.
 
     Args:
-        opt: a ``MasterWeightOptimizer``.
+        ownership: the optimizer's :class:`Ownership` (None while it is being built).
         what: the call refused, for the message.
 
     Example:
-        >>> check_masters_linked(old_opt, "step")   # RuntimeError after a second optimizer
+        >>> check_masters_linked(ownership, "step")   # RuntimeError after a second optimizer
     """
-    ownership = opt.__dict__.get("_ownership")
     stale = ownership.taken_over if ownership is not None else []
     if stale:
         more = f" and {len(stale) - 1} more FP8 weight(s)" if len(stale) > 1 else ""
@@ -138,5 +155,5 @@ def check_masters_linked(opt, what: str) -> None:
             "optimizer only (del this one): one MasterWeightOptimizer per model. Nothing was changed.")
 
 
-__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master", "take_masters_over",
-           "check_masters_linked"]
+__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master", "own_tensor",
+           "take_masters_over", "check_masters_linked"]

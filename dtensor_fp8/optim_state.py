@@ -5,6 +5,9 @@ DTensors laid out like the parameters that ``state_dict()`` / ``load_state_dict(
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -19,6 +22,41 @@ MASTER_KEY = "master"
 SCALING_PREFIXES = tuple(f"{u}_" for u in USAGES)
 
 
+@dataclass(eq=False)
+class OptimizerParts:
+    """What one ``MasterWeightOptimizer`` holds per parameter, handed explicitly to the modules that
+    implement parts of it (``optim_state``, ``optim_load``, ``optim_follow``), so that none of them
+    reads the optimizer's private attributes (``tests/test_structure.py`` checks). ``optim.py``
+    builds it; besides it only ``optim_follow.restore_groups`` writes (the groups it restores).
+
+    Example:
+        >>> parts = OptimizerParts()
+        >>> parts.fqn_of(torch.zeros(1))
+        '<parameter>'
+    """
+
+    #: the outer param groups: torch's ``param_groups``, holding the model's parameters
+    groups: list = field(default_factory=list)
+    #: FP8 parameter -> its master (an ``nn.Parameter``, a DTensor like the parameter when sharded)
+    masters: dict = field(default_factory=dict)
+    #: model parameter -> what the inner optimizer steps for it (see the note in optim.py)
+    inner_of: dict = field(default_factory=dict)
+    #: parameter -> its FQN in the model
+    fqn: dict = field(default_factory=dict)
+    #: the torch optimizer doing the arithmetic (None while the outer one is being built)
+    inner: torch.optim.Optimizer | None = None
+    #: bumped whenever the inner state may have new tensors (a step, a load): ``StateView`` re-reads it
+    generation: int = 0
+    #: the groups' ``params`` lists as last bound (``optim_follow.snapshot``)
+    bound: list = field(default_factory=list)
+    #: how to build the optimizer again over replaced parameters (``MasterWeightOptimizer.follow_model``)
+    built_with: dict = field(default_factory=dict)
+
+    def fqn_of(self, p) -> str:
+        """``p``'s FQN, or a placeholder for a tensor that is not one of the model's parameters."""
+        return self.fqn.get(p, "<parameter>")
+
+
 class StateView(dict):
     """``optimizer.state``: model parameter -> its state (see the note). A ``dict`` (what torch's
     code expects), read from the inner optimizer after creating any state still missing, so a
@@ -26,29 +64,60 @@ class StateView(dict):
     may hold new tensors (after a step or a load). A parameter without state reads as ``{}``, as
     torch's ``defaultdict`` does."""
 
-    def __init__(self, owner):
+    def __init__(self, parts: OptimizerParts, materialize: Callable[[], None]):
+        """Args:
+            parts: the optimizer's :class:`OptimizerParts`.
+            materialize: creates the inner state still missing (``MasterWeightOptimizer._materialize_state``).
+        """
         super().__init__()
-        self._owner = owner
+        self._parts = parts
+        self._materialize = materialize
         self._seen = None
+        self._views: dict = {}  # (id(param), key) -> (inner value, its DTensor view); see _state_of
+
+    def follow(self, parts: OptimizerParts) -> None:
+        """Show ``parts`` from now on (``MasterWeightOptimizer.follow_model`` rebuilt them): the object
+        stays, since torch's utilities may hold it while it is read."""
+        self._parts, self._seen = parts, None
+        self._views.clear()
+
+    def forget_views(self) -> None:
+        """Drop the DTensor views kept of the inner state (after a load replaced its tensors)."""
+        self._views.clear()
 
     def _refresh(self) -> None:
-        owner = self._owner
-        owner._materialize_state()
-        if self._seen == owner._generation:
+        self._materialize()  # follows the model first (may call follow() above)
+        parts = self._parts
+        if self._seen == parts.generation:
             return
         dict.clear(self)
-        for g in owner.param_groups:
+        for g in parts.groups:
             for p in g["params"]:
-                state = owner._state_of(p)
+                state = self._state_of(p)
                 if state:
                     dict.__setitem__(self, p, state)
-        self._seen = owner._generation
+        self._seen = parts.generation
+
+    def _state_of(self, p) -> dict:
+        """``state[p]`` as torch's utilities see it (see the note in optim.py): DTensor views of the
+        inner state's local tensors, made once per inner tensor and kept."""
+        parts = self._parts
+        out = {}
+        ref = parts.masters.get(p, p)
+        if p in parts.masters:
+            out[MASTER_KEY] = ref.detach()
+        for key, value in parts.inner.state.get(parts.inner_of[p], {}).items():
+            cached = self._views.get((id(p), key))
+            if cached is None or cached[0] is not value:
+                cached = self._views[(id(p), key)] = (value, as_global(ref, value))
+            out[key] = cached[1]
+        return out
 
     def __getitem__(self, p):
         self._refresh()
         if dict.__contains__(self, p):
             return dict.__getitem__(self, p)
-        if any(p is q for g in self._owner.param_groups for q in g["params"]):
+        if any(p is q for g in self._parts.groups for q in g["params"]):
             return {}
         raise KeyError("not a parameter of this optimizer")
 

@@ -10,8 +10,10 @@ accelerate re-reads), with an FSDP2 plugin.
 What had gone wrong: ``prepare`` re-maps the optimizer's parameters by ``data_ptr()``, and every
 FP8 parameter reports 0 (a wrapper tensor without storage), so the 14 FP8 weights collapsed onto
 one in ``param_groups``; in accelerate's order (optimizer first) the masters also belonged to the
-parameters ``prepare`` replaced. ``MasterWeightOptimizer`` now re-derives its groups by FQN before
-each use, reading ``param_groups`` included, and follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
+parameters ``prepare`` replaced. ``MasterWeightOptimizer.follow_model()``, called by ``step``,
+``zero_grad``, ``state_dict`` and ``load_state_dict`` (``save_state`` / ``load_state`` right after
+``prepare`` work), or by the user before reading ``masters`` / ``state``, re-derives its groups by FQN and
+follows replaced parameters (dtensor_fp8/optim_follow.py explains why not a non-zero
 ``data_ptr()``: torch takes 0 to mean a wrapper without storage, in ``deepcopy`` and pickling).
 
 accelerate and lightning are test extras (``pip install -e ".[test,frameworks]"``).
@@ -113,7 +115,10 @@ def _train_orders():
     out = {}
     for order in ("plain", "accelerate", "library"):
         accelerator, model, opt = _prepared(order)
-        right_after_prepare = _held_once(model, opt)
+        collapsed = _held_once(model, opt)  # param_groups is a plain read: what prepare left there
+        if order != "plain":  # what step() would do first; the snapshot reads masters, which follow nothing
+            opt.optimizer.follow_model()
+        right_after_prepare = {**_held_once(model, opt), "collapsed": collapsed}
         before = _snapshot(model, opt.optimizer)
         out[order] = {**right_after_prepare, "losses": _train(accelerator, model, opt, 4)}
         out[order]["after"] = _held_once(model, opt)
@@ -123,8 +128,8 @@ def _train_orders():
 
 
 def test_prepare_in_either_order_trains_like_the_model_without_fp8(pools):
-    """Right after ``prepare`` (accelerate's ``param_groups`` re-mapping by ``data_ptr()`` had
-    collapsed the FP8 weights: 21 entries, 8 distinct) and through training, the optimizer's
+    """Right after ``prepare`` (accelerate's ``param_groups`` re-mapping by ``data_ptr()`` has
+    collapsed the FP8 weights: 21 entries, 8 distinct), once followed, and through training, the optimizer's
     ``param_groups`` hold every parameter of the sharded model exactly once; every FP8 weight
     changes; both orders give the
     same losses (the masters start from the same high-precision init), each within 1 % of the
@@ -134,6 +139,7 @@ def test_prepare_in_either_order_trains_like_the_model_without_fp8(pools):
     assert ref[-1] < 0.95 * ref[0], ref
     for order in ("accelerate", "library"):
         r = out[order]
+        assert r["collapsed"]["distinct"] < r["collapsed"]["held"] == r["held"], (order, r)  # prepare's data_ptr() map
         for held in (r, r["after"]):
             assert held["held"] == held["distinct"] == held["params"] and held["all"], (order, r)
         assert r["fp8"] == FP8_WEIGHTS, (order, r)

@@ -1,4 +1,4 @@
-"""``MasterWeightOptimizer`` after something re-pointed its ``param_groups`` (dtensor_fp8/optim_follow.py):
+"""``MasterWeightOptimizer.follow_model`` after something re-pointed its ``param_groups`` (dtensor_fp8/optim_follow.py):
 what accelerate's ``prepare`` does, reproduced with plain torch in one process (tests/test_accelerate.py
 runs accelerate itself on 2 ranks)."""
 
@@ -35,20 +35,56 @@ def _planes(model):
             if isinstance(p, d.QuantizedTensor)}
 
 
-def test_groups_collapsed_by_a_data_ptr_match_are_restored():
-    """Every FP8 parameter's ``data_ptr()`` is 0, so a match by it puts one parameter in every FP8
-    slot (a new list, as accelerate assigns): the next read of ``param_groups`` restores the groups."""
-    model = _model()
-    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+def _collapse(opt) -> list:
+    """Point group 0 at a new list matched by ``data_ptr()``, as accelerate's ``prepare`` does: every
+    FP8 parameter's is 0, so one parameter fills every FP8 slot. Returns the list it held before."""
     params = list(opt.param_groups[0]["params"])
     assert {p.data_ptr() for p in params if isinstance(p, d.QuantizedTensor)} == {0}
     by_ptr = {p.data_ptr(): p for p in params}
     collapsed = [by_ptr[p.data_ptr()] for p in params]
     opt.param_groups[0]["params"] = collapsed
     assert len({id(p) for p in collapsed}) < len(params)
+    return params
+
+
+def test_groups_collapsed_by_a_data_ptr_match_are_restored():
+    """A collapsed group (see ``_collapse``): ``follow_model()`` restores the groups, and so does
+    the next action (``zero_grad``)."""
+    model = _model()
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    params = _collapse(opt)
+    opt.follow_model()
     assert opt.param_groups[0]["params"] == params and all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    _collapse(opt)
     opt.zero_grad()
     assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+
+
+def test_param_groups_is_a_plain_read_and_own_accessors_refuse_groups_not_followed():
+    """Reading ``param_groups`` (as every LR scheduler does each step) is a plain read: it shows the
+    list put there and rebuilds nothing; ``masters`` and ``master_of`` (this class's own accessors,
+    read perhaps on one rank) refuse until ``follow_model()`` followed the model, naming the fix;
+    torch's ``state`` and ``state_dict()`` (read on every rank by torch's state-dict helpers, as
+    accelerate's ``save_state`` does right after ``prepare``) follow it. Before this the
+    ``param_groups`` getter itself followed the model."""
+    model = _model()
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    masters = dict(opt.masters)
+    state_view = opt.state
+    for follows in (lambda: opt.follow_model(), lambda: len(opt.state), opt.state_dict):
+        params = _collapse(opt)
+        collapsed = opt.param_groups[0]["params"]
+        assert [g["lr"] for g in opt.param_groups] == [1e-2]  # what a scheduler reads
+        assert opt.param_groups[0]["params"] is collapsed
+        for read in (lambda: opt.masters, lambda: opt.master_of(model[0].weight)):
+            with pytest.raises(RuntimeError, match=r"not followed yet\. Fix: call opt\.follow_model\(\) first"):
+                read()
+        follows()
+        assert opt.param_groups[0]["params"] is not collapsed
+        assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+        assert opt.masters.keys() == masters.keys() and all(opt.masters[k] is m for k, m in masters.items())
+        assert opt.state is state_view  # one object: torch's helpers may hold it while reading
+        assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
 
 
 def test_replaced_parameters_are_followed_exactly():
