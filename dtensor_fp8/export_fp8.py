@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from .agreement import _agreement_group
 from .checkpoint.errors import agree_over
 from .formats.base import ROWWISE, RecipeError
+from .entry import plane_key
 from .placement import local_tensor
 from .state_dict import _is_fp8, hp_targets, plane_entries
 
@@ -154,9 +155,9 @@ def _plan(model: nn.Module, targets: dict, key_map, path: str, dtype: torch.dtyp
                             "its scales '<module>.weight_scale_inv')")
             continue
         entry = plane_entries(target)
-        entries[name] = (entry[f"{ROWWISE}_data"], ("fp8", recipe.fp8_dtype))
+        entries[name] = (entry[plane_key(ROWWISE, "data")], ("fp8", recipe.fp8_dtype))
         per_tensor = recipe.block_shape(ROWWISE).rows is None
-        entries[name + _SCALE_SUFFIX] = (entry[f"{ROWWISE}_scale_inv"], ("scalar",) if per_tensor else ("as_is",))
+        entries[name + _SCALE_SUFFIX] = (entry[plane_key(ROWWISE, "scale_inv")], ("scalar",) if per_tensor else ("as_is",))
     if len(sizes) > 1:
         problems.append(f"the FP8 weights mix layouts (weight_block_size {sorted(map(str, sizes))}): one checkpoint "
                         "holds one. Fix: one recipe family for every FP8 weight")

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from .placement import local_tensor
 from .param_writes import write_hp_values_
 from .requantize import local_slice
-from .state_dict import _is_extra_state, _is_fp8, hp_targets
+from .entry import is_extra_state
+from .state_dict import _is_fp8, hp_targets
 from .tensor import QuantizedTensor
 
 
@@ -60,7 +61,7 @@ def value_problem(key: str, src, target, where: str = "") -> str | None:
         >>> value_problem("0.weight", torch.zeros(3), model[0].weight)   # "entry '0.weight' has shape (3,), ..."
     """
     entry = f"entry {key!r}{where}"
-    if _is_extra_state(key) or not isinstance(target, torch.Tensor):
+    if is_extra_state(key) or not isinstance(target, torch.Tensor):
         return None  # a module's extra state: its module's set_extra_state judges it
     fp8 = _is_fp8(target)
     kind = "FP8 weight" if fp8 else ("parameter" if isinstance(target, nn.Parameter) else "buffer")
@@ -204,7 +205,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
             target = targets.get(key)
             if target is None:
                 continue
-            if _is_extra_state(key) or not isinstance(target, torch.Tensor):
+            if is_extra_state(key) or not isinstance(target, torch.Tensor):
                 staged.extra[key] = src
                 continue
             local = _local_values(src, target)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from . import groups
-from .param_state import OPERANDS
+from .entry import OPERANDS
 from .placement import local_tensor
 from .tensor import QuantizedTensor
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor
 from ._compat import dtensor_local
 from .agreement import gather_findings
 from .groups import mesh_groups
-from .optim_state import MASTER_KEY, SCALING_PREFIXES, OptimizerParts, localize
+from .entry import MASTER_KEY
+from .optim_state import SCALING_PREFIXES, OptimizerParts, localize
 from .placement import local_tensor
 from .hp_load import nonfinite_problem
 

@@ -83,44 +83,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import Layout
+from .entry import OPERANDS
 from .lifecycle import Lifecycle
-
-
-#: The GEMM operands whose scaling state a record keeps: activations and output gradients.
-OPERANDS = ("input", "grad")
-
-
-#: The plane tensors of a weight's state-dict entry (``"<usage>_data"``, ``"<usage>_scale_inv"``);
-#: its other ``"<usage>_<field>"`` entries are the weight scaling state's.
-PLANE_FIELDS = ("data", "scale_inv")
-_USAGES = ("rowwise", "columnwise")
-
-
-def is_operand_state_entry(key: str) -> bool:
-    """Whether a state-dict key (``...weight.input_amax_history``) is an operand scaling state's: an
-    entry a checkpoint written before these were saved lacks (see ``state_dict.py``)."""
-    return key.rsplit(".", 1)[-1].split("_", 1)[0] in OPERANDS
-
-
-def is_weight_state_entry(key: str) -> bool:
-    """Whether a state-dict key (``...weight.rowwise_amax_history``) is a weight scaling state's
-    (``"<usage>_<field>"`` other than the plane tensors): saved in the weight's model entry, and
-    under the optimizer's state by checkpoints written before (``checkpoint/save_load.py`` reads
-    those where the model entry asks for them).
-
-    Example:
-        >>> is_weight_state_entry("w.rowwise_scale"), is_weight_state_entry("w.rowwise_scale_inv")
-        (True, False)
-    """
-    usage, _, name = key.rsplit(".", 1)[-1].partition("_")
-    return usage in _USAGES and name not in PLANE_FIELDS
-
-
-def is_scaling_state_entry(key: str) -> bool:
-    """An operand's or the weight's scaling state entry: what a checkpoint written before such
-    states were saved in the model's entry lacks (``load_checkpoint(..., strict=False)`` names it
-    missing and it starts afresh)."""
-    return is_operand_state_entry(key) or is_weight_state_entry(key)
 
 
 def _same(refs: tuple, tensors: tuple) -> bool:

@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._compat import dtensor_local
+from .entry import RECIPE_KEY, plane_key
 from .formats.base import Plane, RecipeError
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
@@ -54,7 +55,6 @@ from . import groups
 from .requantize import local_slice, split_blocks
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
-RECIPE_KEY = "recipe"
 
 #: While set (to ``(dtype, master_of)``), the state-dict hook puts each FP8 weight's high-precision
 #: values in the state dict instead of its planes: its master's where ``master_of(param)`` (by the
@@ -105,8 +105,8 @@ def plane_entries(param: torch.Tensor) -> dict:
                 scale = _whole_grid(scale, split)  # this rank's columns, every row
             scale = DTensor.from_local(scale, param.device_mesh, placements,
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
-        entry[f"{usage}_data"] = data
-        entry[f"{usage}_scale_inv"] = scale
+        entry[plane_key(usage, "data")] = data
+        entry[plane_key(usage, "scale_inv")] = scale
     return entry
 
 
@@ -167,13 +167,13 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     shape = tuple(param.shape) if full else tuple(q.shape)
     planes = {}
     for usage, plane in q.planes.items():
-        missing = [k for k in (f"{usage}_data", f"{usage}_scale_inv") if k not in entry]
+        missing = [k for k in (plane_key(usage, "data"), plane_key(usage, "scale_inv")) if k not in entry]
         if missing:
             raise RecipeError(f"{name}: checkpoint entry lacks {missing} (has {sorted(entry)}); the model needs the {usage} plane")
-        data, scale = local_tensor(entry[f"{usage}_data"]), local_tensor(entry[f"{usage}_scale_inv"])
+        data, scale = local_tensor(entry[plane_key(usage, "data")]), local_tensor(entry[plane_key(usage, "scale_inv")])
         split = None if full or not isinstance(param, DTensor) else split_blocks(param, usage)
-        if split is not None and isinstance(entry[f"{usage}_scale_inv"], DTensor):
-            scale = _touched_rows(entry[f"{usage}_scale_inv"], split, plane.scale_inv.shape[0])
+        if split is not None and isinstance(entry[plane_key(usage, "scale_inv")], DTensor):
+            scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, plane.scale_inv.shape[0])
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
             scale = split.touched(scale, plane.scale_inv.shape[0])  # a plain tensor of the whole grid
         want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
@@ -224,7 +224,7 @@ def _touched_rows(saved, split, rows: int) -> torch.Tensor:
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
-    data = entry.get(f"{next(iter(local_tensor(param).planes))}_data")
+    data = entry.get(plane_key(next(iter(local_tensor(param).planes)), "data"))
     return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == tuple(param.shape)
             and tuple(param.shape) != tuple(dtensor_local(param).shape))
 
@@ -304,15 +304,6 @@ def high_precision_state_dict(dtype: torch.dtype = torch.bfloat16, *, optimizer=
         yield
     finally:
         _EXPORT.reset(token)
-
-
-#: torch's key suffix for ``Module.get_extra_state()`` (a module's opaque state, set through
-#: ``set_extra_state``, never written in place)
-_EXTRA_STATE_SUFFIX = "_extra_state"
-
-
-def _is_extra_state(key: str) -> bool:
-    return key == _EXTRA_STATE_SUFFIX or key.endswith("." + _EXTRA_STATE_SUFFIX)
 
 
 def hp_targets(model: nn.Module) -> dict:

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..agreement import _agreement_group
 from ..placement import like, local_tensor
 from ..hp_load import HP_UNTOUCHED, HPLoadResult, stage_hp_values, value_problem, write_staged_hp_values
-from ..state_dict import RECIPE_KEY, _is_extra_state, hp_targets
+from ..entry import is_extra_state, is_recipe_key
+from ..state_dict import hp_targets
 from ..tensor import QuantizedTensor
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
 from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
@@ -220,7 +221,7 @@ def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, lis
     saved = source.metadata.state_dict_metadata
     missing = [k for k in targets if k not in saved]
     unexpected = sorted(k for k in saved if k not in targets)
-    fp8 = sorted(k for k in saved if k.endswith("." + RECIPE_KEY))
+    fp8 = sorted(k for k in saved if is_recipe_key(k))
     if fp8 and missing:
         raise CheckpointRecipeError(
             f"the checkpoint holds FP8 weights ({_listed(fp8[:4])} and their planes): a checkpoint of save_checkpoint "
@@ -249,7 +250,7 @@ def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, lis
         if not isinstance(md, TensorStorageMetadata):
             problems.append(f"entry {key!r}{where} is a {type(md).__name__} in .metadata, not a tensor")
             continue
-        if _is_extra_state(key) or not isinstance(target, torch.Tensor):
+        if is_extra_state(key) or not isinstance(target, torch.Tensor):
             # opaque: read at its saved size, which the bytes stored for it bound (a crafted size allocates nothing)
             nbytes = _numel(md.size) * md.properties.dtype.itemsize
             stored = [getattr(info, "length", None) for index, info in source.metadata.storage_data.items()

@@ -24,9 +24,10 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import flatten_state_dict, set_state_dict_element
 from ..formats.config import recipe_from_config
-from ..param_state import is_scaling_state_entry, is_weight_state_entry
+from ..entry import (MASTER_KEY, RECIPE_KEY, is_extra_state, is_master_key, is_recipe_key, is_scaling_state_entry,
+                     is_weight_state_entry, weight_key)
 from ..placement import like, local_tensor
-from ..state_dict import RECIPE_KEY, check_saved_recipe
+from ..state_dict import check_saved_recipe
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
 from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
 from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, dcp_failure_class, describe_dcp_failure
@@ -46,9 +47,6 @@ from .coverage import asked_by_no_rank, check_coverage_mode
 from .param_groups import open_param_group_keys, param_lists
 from .values import check_value, refuse_divergence, replica_digests
 
-#: torch's key suffix for ``Module.get_extra_state()``; TE stores its FP8 metadata there as a pickled
-#: uint8 tensor whose length changes (empty before the first FP8 forward).
-_EXTRA_STATE_SUFFIX = "_extra_state"
 _SHOWN = 8  # keys listed in a message
 
 
@@ -149,14 +147,12 @@ def _check_before_save(state_dict: dict, allow_nonfinite: bool, group) -> dict:
     return digests
 
 
-#: the state key of an FP8 parameter's master in ``MasterWeightOptimizer``'s state
-_MASTER_SUFFIX = ".master"
 
 
 def _refuse_nonfinite_masters(state_dict: dict) -> None:
     flat, _ = flatten_state_dict(state_dict)
     bad = [key for key, value in flat.items()
-           if key.endswith(_MASTER_SUFFIX) and isinstance(value, torch.Tensor) and value.is_floating_point()
+           if is_master_key(key) and isinstance(value, torch.Tensor) and value.is_floating_point()
            and not bool(torch.isfinite(local_tensor(value)).all())]
     if bad:
         raise CheckpointError(
@@ -259,7 +255,7 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverag
     kept = {"group": process_group, "after": untouched, "outcome": lambda: untouched.strip()}
     opened = agree(what, _open, path, verify, **kept)
     flat, mappings = flatten_state_dict(state_dict)
-    recipes = {k: v for k, v in flat.items() if k.endswith("." + RECIPE_KEY)}
+    recipes = {k: v for k, v in flat.items() if is_recipe_key(k)}
     read_weight_states_of_older_layout(flat, recipes, opened.metadata)
     taken = open_param_group_keys(state_dict, flat, opened.metadata.state_dict_metadata)  # plain param-group values
     flat.update(dict.fromkeys(taken))  # asked for from here on (None: DCP reads what was saved)
@@ -304,8 +300,8 @@ def read_weight_states_of_older_layout(flat: dict, recipes: dict, metadata: Meta
     old = {k.split(".state.", 1)[1]: k for k in saved if ".state." in k and is_weight_state_entry(k)}
     if not old:
         return
-    weights = {k[: -len(RECIPE_KEY) - 1] for k in recipes}
-    for key in [k for k in flat if k not in saved and is_weight_state_entry(k) and k.rsplit(".", 1)[0] in weights]:
+    weights = {weight_key(k) for k in recipes}
+    for key in [k for k in flat if k not in saved and is_weight_state_entry(k) and weight_key(k) in weights]:
         parts = key.split(".")
         for i in range(len(parts) - 1):  # the longest suffix that names the weight's old entry
             tail = ".".join(parts[i:])
@@ -347,10 +343,10 @@ def _check_loaded(flat: dict, plan: _Plan, opened: _Opened, path: str, allow_non
     if allow_nonfinite:
         return
     bad = [key for key, value in plan.copies.items()
-           if key.endswith(_MASTER_SUFFIX) and isinstance(value, torch.Tensor) and value.is_floating_point()
+           if is_master_key(key) and isinstance(value, torch.Tensor) and value.is_floating_point()
            and not bool(torch.isfinite(local_tensor(value)).all())]
     if bad:
-        params = [k.split(".state.", 1)[-1][:-len(_MASTER_SUFFIX)] for k in bad]
+        params = [k.split(".state.", 1)[-1][:-len(MASTER_KEY) - 1] for k in bad]
         raise CheckpointError(
             f"{path}: the master of {', '.join(params[:_SHOWN])} holds NaN or Inf (entr{'y' if len(bad) == 1 else 'ies'} "
             f"{_listed(bad)}; saved with allow_nonfinite=True from a run that had diverged?): resuming from it would "
@@ -360,7 +356,7 @@ def _check_loaded(flat: dict, plan: _Plan, opened: _Opened, path: str, allow_non
 def _check_fp8_layout(flat: dict, recipes: dict, metadata: Metadata, path: str) -> None:
     """An FP8 model and a checkpoint of its weights in high precision (or the reverse) are told so."""
     saved = metadata.state_dict_metadata
-    hp = [k.rsplit(".", 1)[0] for k in recipes if k not in saved and isinstance(saved.get(k.rsplit(".", 1)[0]),
+    hp = [weight_key(k) for k in recipes if k not in saved and isinstance(saved.get(weight_key(k)),
                                                                                TensorStorageMetadata)]
     if hp:
         md = saved[hp[0]]
@@ -396,7 +392,7 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
     _dcp_load(present_recipes, path, opened, group)
     for key, theirs in present_recipes.items():
         try:
-            check_saved_recipe(key.rsplit(".", 1)[0], theirs, recipe_from_config(recipes[key]))
+            check_saved_recipe(weight_key(key), theirs, recipe_from_config(recipes[key]))
         except CheckpointError:
             raise
         except ValueError as err:  # RecipeError: both recipes named, and the fix
@@ -404,14 +400,14 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
 
     missing = [k for k in flat if k not in saved]
     unexpected = sorted(k for k in saved if k not in flat) if nobody is None else nobody
-    groups = {k.rsplit(".", 1)[0] for k in recipes}
+    groups = {weight_key(k) for k in recipes}
     # weights whose recipe entry is saved but some plane is not (a weight missing whole is just missing)
     # (an operand scaling state is not a plane: checkpoints written before it was saved lack it, see
     # state_dict.py; strict=False loads them, naming it missing)
-    torn = sorted({k.rsplit(".", 1)[0] for k in missing if not is_scaling_state_entry(k)}
+    torn = sorted({weight_key(k) for k in missing if not is_scaling_state_entry(k)}
                   & {g for g in groups if f"{g}.{RECIPE_KEY}" in saved})
     if torn:
-        lacking = [k for k in missing if k.rsplit(".", 1)[0] in torn and not is_scaling_state_entry(k)]
+        lacking = [k for k in missing if weight_key(k) in torn and not is_scaling_state_entry(k)]
         raise CheckpointRecipeError(
             f"{path}: the FP8 weight{'s' if len(torn) > 1 else ''} {_listed(torn)} lack{'' if len(torn) > 1 else 's'} "
             f"{_listed(lacking)} in the checkpoint (another recipe's planes? a checkpoint edited by hand?). An FP8 "
@@ -432,7 +428,7 @@ def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict
                 "build the state dict the checkpoint was saved from (the same model, optimizer and values)")
         if not is_tensor:
             copies[key] = value
-        elif _is_extra_state(key) and not isinstance(value, DTensor):
+        elif is_extra_state(key) and not isinstance(value, DTensor):
             # read at its saved size: bounded by the bytes stored for it (a crafted size allocates nothing)
             nbytes = _numel(meta.size) * meta.properties.dtype.itemsize
             stored = sum(info.length for index, info in opened.metadata.storage_data.items() if index.fqn == key)
@@ -507,9 +503,6 @@ def _listed(keys: list) -> str:
     shown = ", ".join(repr(k) for k in keys[:_SHOWN])
     return f"[{shown}{f', ... ({len(keys)} in all)' if len(keys) > _SHOWN else ''}]"
 
-
-def _is_extra_state(key: str) -> bool:
-    return key == _EXTRA_STATE_SUFFIX or key.endswith("." + _EXTRA_STATE_SUFFIX)
 
 
 def _dcp_load(flat: dict, path: str, opened: _Opened, group) -> None:

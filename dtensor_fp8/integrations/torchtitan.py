@@ -70,11 +70,10 @@ from ..formats.base import RecipeError
 from ..module import quantize_module_
 from ..optim import MasterWeightOptimizer
 from ..placement import local_tensor
-from ..state_dict import RECIPE_KEY
+from ..entry import RECIPE_FIELD_BYTES, RECIPE_KEY, recipe_from_tensor, recipe_tensor
 from ..tensor import QuantizedTensor
 
 #: length of the recipe-config field in a torchtitan state dict (the JSON, zero-padded)
-RECIPE_FIELD_BYTES = 256
 
 
 def _recipe(name: str):
@@ -279,33 +278,6 @@ def master_weight_adamw(lr: float = 8e-4, *, master_dtype: str = "float32",
 
 
 # ---- the state-dict layout torchtitan's checkpointer keeps (see the note) ------------------------------
-def recipe_tensor(config: str) -> torch.Tensor:
-    """A recipe config (JSON) as the fixed-length uint8 tensor a torchtitan state dict holds.
-
-    Args:
-        config: ``dtensor_fp8.formats.config.recipe_config(recipe)``.
-
-    Example:
-        >>> recipe_from_tensor(recipe_tensor('{"recipe": "MXFP8"}'))
-        '{"recipe": "MXFP8"}'
-    """
-    raw = config.encode()
-    if len(raw) > RECIPE_FIELD_BYTES:
-        raise RecipeError(f"recipe config of {len(raw)} bytes does not fit the {RECIPE_FIELD_BYTES}-byte field: {config}")
-    out = torch.zeros(RECIPE_FIELD_BYTES, dtype=torch.uint8)
-    out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return out
-
-
-def recipe_from_tensor(value: torch.Tensor) -> str:
-    """The recipe config held by :func:`recipe_tensor`'s tensor.
-
-    Args:
-        value: the ``<fqn>.weight.recipe`` entry.
-    """
-    return bytes(value.cpu().tolist()).rstrip(b"\0").decode()
-
-
 def _flatten_fp8_entries(module, state_dict, prefix, local_metadata) -> None:
     key = prefix + "weight"
     entry = state_dict.get(key)

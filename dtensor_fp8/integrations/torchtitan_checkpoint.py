@@ -40,7 +40,8 @@ from ..checkpoint.hp import _open, _read
 from ..checkpoint.save_load import _from_dcp
 from ..formats.base import RecipeError
 from ..hp_load import stage_hp_values, write_staged_hp_values
-from ..state_dict import RECIPE_KEY, _is_fp8, high_precision_state_dict
+from ..entry import RECIPE_KEY
+from ..state_dict import _is_fp8, high_precision_state_dict
 
 _SHOWN = 6
 
