@@ -1,5 +1,6 @@
 """One decision on every rank: the process group over the ranks that hold a set of parameters, and
-each rank's findings shared over it.
+each rank's findings shared over it (:func:`gather_findings`: the one way findings, names of bad
+parameters included, cross ranks; ``groups.py`` derives the groups and reduces numbers).
 
 A check of sharded values (a NaN in one rank's shard, a shard of the wrong shape) finds different
 things on different ranks; a load that writes on the ranks that found nothing and raises on the

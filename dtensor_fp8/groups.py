@@ -144,25 +144,6 @@ def max_over_(tensor: torch.Tensor, groups: Sequence[Group]) -> torch.Tensor:
     return tensor
 
 
-def union_over(names: Iterable[str], groups: Sequence[Group]) -> list[str]:
-    """The sorted union of every rank's ``names`` over the groups (an error path's "which ones").
-
-    Args:
-        names: this rank's names.
-        groups: the groups to gather over, in turn.
-
-    Example:
-        >>> union_over(bad_local, mesh_groups(params))
-        ['layers.0.w1.weight']
-    """
-    found = set(names)
-    for group in groups:
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, sorted(found), group=group)
-        found = {n for part in everyone for n in part}
-    return sorted(found)
-
-
 def max_by_groups_(amaxes: list[torch.Tensor], groups: Sequence[tuple[Group, ...]]) -> list[torch.Tensor]:
     """Reduce each amax over its own groups with one collective per distinct group tuple: the amaxes
     sharing a tuple are packed into one tensor (the order of first appearance, the same on every
@@ -192,4 +173,4 @@ def reduces(groups: Iterable[tuple[Group, ...]]) -> bool:
     return any(gs for gs in groups)
 
 
-__all__ = ["Layout", "dim_pieces", "splits_blocks", "bind_layout_", "layout_of", "weight_groups", "mesh_groups", "max_over_", "union_over", "max_by_groups_", "reduces"]
+__all__ = ["Layout", "dim_pieces", "splits_blocks", "bind_layout_", "layout_of", "weight_groups", "mesh_groups", "max_over_", "max_by_groups_", "reduces"]

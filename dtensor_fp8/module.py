@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import groups
+from .agreement import gather_findings
 from .formats.base import Recipe, RecipeError
 from .lifecycle import BytesState
 from ._compat import dtensor_local
@@ -189,7 +190,7 @@ def _refuse_nonfinite_init(pending: list) -> None:
     mesh = groups.mesh_groups([p for _, p, _ in pending])
     device = pending[0][2].hp_init.device if pending else torch.device("cpu")
     if mesh and bool(groups.max_over_(torch.tensor([float(bool(bad))], device=device), mesh).item()):
-        bad = groups.union_over(bad, mesh)
+        bad = sorted(gather_findings(bad, mesh))
     if bad:
         raise RecipeError(
             f"finish_init_: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} hold(s) NaN or Inf after your init (on "

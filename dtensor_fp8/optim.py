@@ -59,7 +59,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
-from .groups import bind_layout_, max_over_, mesh_groups, union_over
+from .agreement import gather_findings
+from .groups import bind_layout_, max_over_, mesh_groups
 from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
@@ -284,13 +285,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         their parameters, each once, by FQN; masters, inner and scaling state and hyper-parameters
         move exactly to parameters the model replaced. One identity test per group otherwise.
 
-        Who calls it: torch's optimizer API, on every rank, as a save or a step runs there
-        (``step``, ``zero_grad``, ``add_param_group``, ``state_dict``, ``load_state_dict`` and reads of
-        ``state``, which torch's state-dict helpers make first), so ``accelerator.save_state`` /
-        ``load_state`` right after ``prepare`` work. Not ``param_groups`` (a plain read: an LR
-        scheduler reads it every step), and not this class's own accessors ``masters`` /
-        ``master_of``, which may be read on one rank (logging): following can rebuild the optimizer,
-        which agrees across ranks, so they refuse groups not followed yet, naming this fix.
+        torch's optimizer API calls it, on every rank as a step or a save runs there (``step``,
+        ``zero_grad``, ``add_param_group``, ``state_dict``, ``load_state_dict``, reads of ``state``),
+        so ``accelerator.save_state`` / ``load_state`` work right after ``prepare``. Not ``param_groups``
+        (a plain read: LR schedulers read it every step), nor ``masters`` / ``master_of``, which may
+        be read on one rank: a follow may rebuild the optimizer, which agrees across ranks; they refuse.
 
         Example:
             >>> model, opt = accelerator.prepare(model, opt)
@@ -463,7 +462,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """FQNs of the parameters whose gradient is not finite, on any rank (the error path only)."""
         local = sorted(self._parts.fqn[p] for p, t in self._parts.inner_of.items()
                        if t.grad is not None and not bool(torch.isfinite(t.grad).all()))
-        return union_over(local, self._agreement_groups())
+        return sorted(gather_findings(local, self._agreement_groups()))
 
     def _drop_inner_gradients(self) -> None:
         """Drop the inner tensors' references to this step's gradients (the model's own gradients stay
