@@ -34,8 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .agreement import _agreement_group
-from .checkpoint.errors import agree_over
+from .agreement import _agreement_group, agree_over
 from .formats.base import ROWWISE, RecipeError
 from .entry import plane_key
 from .placement import local_tensor

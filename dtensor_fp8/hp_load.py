@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from .placement import local_tensor
 from .param_writes import write_hp_values_
 from .requantize import local_slice
+from .agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
 from .entry import is_extra_state
 from .state_dict import _is_fp8, hp_targets
 from .tensor import QuantizedTensor
@@ -129,8 +130,6 @@ def nonfinite_problem(local: torch.Tensor, dtypes: list) -> str | None:
 
 
 def _agree(what: str, fn, *args, group):
-    from .checkpoint.errors import agree_over  # the checkpoint package imports this module
-
     return agree_over(what, fn, *args, group=group, after=HP_UNTOUCHED)
 
 
@@ -156,9 +155,6 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
         >>> staged, left_out = stage_hp_values(model, hp, optimizer=opt)
         >>> write_staged_hp_values(model, staged)
     """
-    from .agreement import _agreement_group
-    from .checkpoint.errors import CheckpointError, CheckpointRecipeError  # the checkpoint package imports this module
-
     where = where or (lambda key: "")
     targets = hp_targets(model) if targets is None else targets
     while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):

@@ -8,12 +8,12 @@ file and rank (and surface on every rank).
 - DCP reading without unpickling code, with checksums (``dcp_io.py``, ``checksum.py``; DCP's
   internals only through ``dtensor_fp8/_compat.py``); writing, failures named (``dcp_write.py``);
 - plain values bounded, checked against the template, equal on every rank (``values.py``);
-- errors, and one error on every rank (``errors.py``);
+- errors, and one error on every rank (``dtensor_fp8/agreement.py``; ``errors.py``: OS errors' text);
 - a pretrained high-precision checkpoint loaded into a sharded FP8 model (``hp.py``).
 """
 
 from .dcp_io import SafeFileSystemReader, read_metadata
-from .errors import CheckpointError, CheckpointRecipeError, UnsafeCheckpointError
+from ..agreement import CheckpointError, CheckpointRecipeError, UnsafeCheckpointError
 from .hp import load_hp_checkpoint
 from .save_load import LoadResult, latest_checkpoint, load_checkpoint, save_checkpoint
 

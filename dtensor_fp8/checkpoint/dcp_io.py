@@ -47,7 +47,8 @@ from .._compat import DCP_METADATA_GLOBALS, dcp_item_stream
 from .checksum import CHECKSUMS_FILE, bytes_checksum, copy_with_checksum, entry_key, tensor_checksum
 from .dcp_write import done as _done
 from .dirs import METADATA_FILE, check_inside
-from .errors import CheckpointError, UnsafeCheckpointError, os_error_text
+from ..agreement import CheckpointError, UnsafeCheckpointError
+from .errors import os_error_text
 from .values import MAX_VALUE_BYTES, scan_value_pickle
 
 # ---- .metadata without running code -----------------------------------------------------------------------

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.futures import Future
 
 from .checksum import CHECKSUMS_FILE, bytes_checksum, entry_key, tensor_checksum, write_checksums
-from .errors import CheckpointError, UnsafeCheckpointError, os_error_text
+from ..agreement import CheckpointError, UnsafeCheckpointError
+from .errors import os_error_text
 
 
 # ---- writing: a checksum per stored item ----------------------------------------------------------------

@@ -31,7 +31,7 @@ import re
 import shutil
 
 from . import owner
-from .errors import CheckpointError
+from ..agreement import CheckpointError
 
 LATEST = "latest"
 METADATA_FILE = ".metadata"  # DCP's (torch.distributed.checkpoint.filesystem._metadata_fn)

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ..agreement import _agreement_group
 from ..placement import like, local_tensor
 from ..hp_load import HP_UNTOUCHED, HPLoadResult, stage_hp_values, value_problem, write_staged_hp_values
 from ..entry import is_extra_state, is_recipe_key
@@ -37,7 +36,7 @@ from ..tensor import QuantizedTensor
 from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
 from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
 from .dirs import METADATA_FILE, check_inside
-from .errors import CheckpointError, CheckpointRecipeError, agree_over
+from ..agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
 from .save_load import _from_dcp
 from .values import check_value
 

@@ -50,7 +50,7 @@ import time
 import uuid
 import warnings
 
-from .errors import CheckpointError
+from ..agreement import CheckpointError
 
 OWNER_FILE = ".owner"
 #: seconds between two touches of a held claim (read at each beat)

@@ -7,7 +7,7 @@ The state dicts are torch's own (``torch.distributed.checkpoint.state_dict.get_s
 appears in them is ``dtensor_fp8/state_dict.py``'s note. The directories are ``dirs.py``'s note,
 the claim on a root ``owner.py``'s, the reading ``dcp_io.py``'s, the writing ``dcp_write.py``'s,
 the checksums ``checksum.py``'s, plain values ``values.py``'s, and errors on every rank
-``errors.py``'s.
+``dtensor_fp8/agreement.py``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from .dirs import (
     resolve_latest,
     step_dir_name,
 )
-from .errors import CheckpointError, CheckpointRecipeError, agree, os_error_text
+from ..agreement import CheckpointError, CheckpointRecipeError, agree
+from .errors import os_error_text
 from .coverage import asked_by_no_rank, check_coverage_mode
 from .param_groups import open_param_group_keys, param_lists
 from .values import check_value, refuse_divergence, replica_digests

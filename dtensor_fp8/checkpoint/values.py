@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import dtensor_chunk_offset, flatten_state_dict
 from .checksum import tensor_checksum
-from .errors import CheckpointError
+from ..agreement import CheckpointError
 
 #: the largest plain value a checkpoint may store, in stored (pickled) bytes
 MAX_VALUE_BYTES = 256 << 20

@@ -35,7 +35,7 @@ from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from ..checkpoint.dcp_io import read_metadata
-from ..checkpoint.errors import CheckpointError
+from ..agreement import CheckpointError
 from ..checkpoint.hp import _open, _read
 from ..checkpoint.save_load import _from_dcp
 from ..formats.base import RecipeError
