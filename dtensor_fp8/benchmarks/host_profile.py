@@ -22,6 +22,11 @@ import time
 import torch
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():  # on the CPU (--device cpu) the host's time is the step's
+        torch.cuda.synchronize()
+
+
 def host_profile(step, n_steps: int, path: str, rows: int = 60) -> dict:
     """Run ``step()`` ``n_steps`` times under ``cProfile`` and write the functions with the most
     own time and the most cumulative time to ``path``.
@@ -35,7 +40,7 @@ def host_profile(step, n_steps: int, path: str, rows: int = 60) -> dict:
     Returns:
         ``{"steps", "profiled_ms_per_step", "table"}`` (host ms per step with the profiler on).
     """
-    torch.cuda.synchronize()
+    _synchronize()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -43,7 +48,7 @@ def host_profile(step, n_steps: int, path: str, rows: int = 60) -> dict:
         step()
     prof.disable()
     host_ms = (time.perf_counter() - t0) * 1e3 / n_steps
-    torch.cuda.synchronize()
+    _synchronize()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     buf.write(f"# {n_steps} steps, {host_ms:.1f} ms of host time per step under cProfile\n\n# by own time\n")
