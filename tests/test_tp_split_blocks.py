@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import dtensor_fp8 as d
@@ -253,9 +252,7 @@ def test_checkpoint_across_tp_layouts_is_exact(pools, tmp_path, recipe_name):
 def _refusals(recipe_name):
     recipe = RECIPES[recipe_name]
     mesh = init_device_mesh(DEVICE, (torch.distributed.get_world_size(),))
-    # A plain DTensor sharded along dim 1 inside blocks would be gathered along dim 1: refused where made.
-    with pytest.raises(d.RecipeError, match=r"dim 1 of weight shape \(64, 96\) over 2 ranks.*RowwiseParallel.*Fix:"):
-        d.distribute(_weight(64, 96), mesh, [Shard(1)], recipe)
+    # (a plain DTensor sharded along dim 1 inside blocks is refused where it is made: test_placement.py)
     # full_tensor() of a row-parallel weight whose TP shards start inside blocks: refused on every
     # rank before anything is sent (the full state dict is exact: tested above)
     model = d.quantize_module_(_mlp(96), recipe)
