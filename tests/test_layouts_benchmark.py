@@ -56,8 +56,11 @@ def test_every_layout_is_accepted_on_llama3_and_qwen3_shapes():
 def test_shared_blocks_add_under_one_percent_on_llama3_and_deepseek_shapes():
     """Shards that split blocks send each scale once (``scale_slots.py``'s stripes): the scale bytes
     beyond one copy of TE's grid stay under 1 % of a step's bytes at every accepted layout up to
-    1024 ranks (they were +45 % for 1x128 at 1024-way FSDP when every rank sent whole scale rows)."""
+    1024 ranks whose TP shards hold whole blocks (they were +45 % for 1x128 at 1024-way FSDP when
+    every rank sent whole scale rows). A TP shard starting inside a block gathers by "first rows"
+    (whole scale rows of every block it touches): those layouts are named, not bounded, here."""
     models = ["llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3-dense"]
-    rows = layouts.layout_rows(models, RECIPES, 1024)
-    worst = max((r for r in rows if r["accepted"] and r["fsdp"] > 1), key=lambda r: r["scale_extra_share"])
+    rows = [r for r in layouts.layout_rows(models, RECIPES, 1024) if r["accepted"] and r["fsdp"] > 1]
+    assert any(r["tp_splits_blocks"] for r in rows)  # Llama3's K/V at TP 16 and beyond
+    worst = max((r for r in rows if not r["tp_splits_blocks"]), key=lambda r: r["scale_extra_share"])
     assert worst["scale_extra_share"] < 0.01, worst

@@ -126,6 +126,34 @@ def test_tp_shards_inside_blocks_are_exact(pools, recipe_name, tp):
     pools[tp].run(_tp_alone_is_exact, recipe_name, _cases(recipe_name, tp))
 
 
+def _meta_built(recipe_name):
+    """The large-model flow (meta build, parallelize_module, to_empty, the layers' own init, the
+    optimizer's finish_init_) with TP shards of 48 rows / columns (inside 128-row and 32-row blocks):
+    the bytes made from each rank's init values are quantize(full values), the split blocks' scales
+    from amaxes reduced over the TP ranks."""
+    recipe = RECIPES[recipe_name]
+    tp = torch.distributed.get_world_size()
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, 48 * tp, bias=False), nn.ReLU(), nn.Linear(48 * tp, DIM, bias=False))
+    d.quantize_module_(model, recipe)
+    d.parallelize_module(model, init_device_mesh(DEVICE, (tp,)), PLAN)
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(1234 + torch.distributed.get_rank())  # each shard its own values (CPU: per-rank RNG)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    assert model[0].weight.to_local().bytes_pending
+    opt = d.MasterWeightOptimizer(model, torch.optim.SGD, lr=0.1)
+    state = _full_state(model)
+    for name, master in opt.masters.items():
+        _state_equals(state, name, d.quantize(master.full_tensor().detach(), recipe), "finish_init_ under TP")
+    return True
+
+
+@pytest.mark.parametrize("recipe_name", BLOCK_RECIPES)
+def test_meta_built_tp_shards_inside_blocks_are_the_quantized_init(pools, recipe_name):
+    pools[2].run(_meta_built, recipe_name)
+
+
 # ---- TP x FSDP2 training --------------------------------------------------------------------------------
 # (dp=2, tp=2): w1 (192, 192) column-parallel: 96 rows per TP rank (the second starts 96 rows into a
 # 128-row block), 48 per FSDP rank; w2 (192, 192) row-parallel: 96 columns per TP rank, 96 rows per

@@ -125,9 +125,12 @@ def layout_rows(models, recipes, max_ranks: int) -> list[dict]:
             for tp in [t for t in sizes if t <= 64]:
                 for fsdp in [f for f in sizes if f * tp <= max_ranks]:
                     refusals = {n: r for n, (shape, style) in weights.items() if (r := _refusal(recipe, shape, style, tp))}
+                    # whether a TP shard starts inside a block (its FSDP2 gathers then send whole scale rows)
+                    tp_split = any(phase != (0, 0) for shape, style in weights.values()
+                                   for _, _, phase in _tp_pieces(recipe, shape, style, tp))
                     row = {"model": model, "recipe": recipe_name, "fsdp": fsdp, "tp": tp, "ranks": fsdp * tp,
                            "accepted": not refusals, "refused": sorted(refusals),
-                           "why": next(iter(refusals.values()), None)}
+                           "why": next(iter(refusals.values()), None), "tp_splits_blocks": tp_split}
                     if not refusals and fsdp > 1:
                         numel = plain = ac = extra = 0
                         for shape, style in weights.values():
