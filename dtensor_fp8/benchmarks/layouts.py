@@ -62,11 +62,12 @@ BF16_BYTES_PER_PARAM_STEP = 4.0  # bf16 FSDP2: 2 bytes, gathered in forward and 
 
 def _tp_pieces(recipe, shape, style, tp) -> list[tuple[int, int, tuple[int, int]]]:
     """Every TP rank's shard of a weight: ``(rows, cols, block phase)`` by torch's chunk rule (the
-    phase modulo the recipe's block period: where the shard starts inside its blocks)."""
+    phase modulo the recipe's block period: where the shard starts inside its blocks), one entry per
+    TP rank (the sums over them are per TP group, so a replicated weight counts ``tp`` times)."""
     rows, cols = shape
     dim = {"col": 0, "row": 1}.get(style)
-    if tp == 1 or dim is None:
-        return [(rows, cols, (0, 0))]
+    if dim is None:  # not tensor-parallel: every TP rank holds (and FSDP2 gathers) the whole weight
+        return [(rows, cols, (0, 0))] * tp
     size = shape[dim]
     chunk = -(-size // tp)
     out = []
