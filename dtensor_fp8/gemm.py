@@ -235,8 +235,9 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     # A piece starting inside its blocks runs on operands padded to whole blocks (see the note on
     # shards that start inside blocks): the GEMMs' dims are the padded ones.
-    fronts = {weight.recipe.usage_phase(u, weight.phase) for u in (ROWWISE, COLUMNWISE)}
-    for front in sorted(fronts):
+    phase = weight.phase
+    fronts = sorted({weight.recipe.usage_phase(u, phase) for u in (ROWWISE, COLUMNWISE)}) if any(phase) else ((0, 0),)
+    for front in fronts:
         key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0] + front[0], weight.shape[1] + front[1],
                x.dtype, weight.dtype)
         if any(isinstance(v, torch.SymInt) for v in key[3:6]):

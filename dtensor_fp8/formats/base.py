@@ -367,8 +367,8 @@ class Recipe(abc.ABC):
     # ---- block phase: pieces that start inside a block ------------------------------------------
     # [Note: block phase]
     # A shard whose boundary falls inside a scaling block (FSDP2 at a degree whose chunks are not
-    # whole blocks, an uneven dim, TP x FSDP2 splitting a TP shard's blocks) starts ``phase``
-    # elements into its first block along each dim. It stores its own FP8 rows and the scale of
+    # whole blocks, an uneven dim, a ColwiseParallel (dim 0) or RowwiseParallel (dim 1) shard, TP x
+    # FSDP2) starts ``phase`` elements into its first block along each dim. It stores its own FP8 rows and the scale of
     # every block it touches: its local scale grid is ``block_shape(u).grid(shape, phase)``, and a
     # block shared with a neighbour has the same scale on both ranks (the amax over exactly the
     # block's elements, reduced over the ranks that share it: ``requantize.py``). The ``*_at``
