@@ -47,18 +47,18 @@ def test_every_layout_is_accepted_on_llama3_and_qwen3_shapes():
     assert all(r["accepted"] for r in rows), [r for r in rows if not r["accepted"]][:1]
     split = {(r["model"], r["recipe"]): r for r in rows if (r["fsdp"], r["tp"]) == (8, 16)}
     assert split[("llama3-8b", "blockwise2d")]["vs_bf16"] > 0.5  # FP8 bytes plus the scales of touched blocks
-    # a TP shard starting inside a block sends the scale rows of every block it touches (scale_slots.py:
-    # "first rows"), more than one copy of the grid; the same weights at TP 1 send each scale once
+    # FSDP2 over a TP shard starting inside a block sends stripes of its grid (scale_slots.py): each
+    # scale about once (whole scale rows of every touched block were +0.2 % here, +15.9 % for 1x128)
     qwen = {(r["tp"], r["fsdp"]): r for r in rows if r["model"] == "qwen3-4b" and r["recipe"] == "blockwise2d"}
-    assert qwen[(8, 128)]["scale_extra_share"] > qwen[(1, 1024)]["scale_extra_share"]
+    assert qwen[(8, 128)]["tp_splits_blocks"] and qwen[(8, 128)]["scale_extra_share"] < 0.001
 
 
 def test_shared_blocks_add_under_one_percent_on_llama3_and_deepseek_shapes():
     """Shards that split blocks send each scale once (``scale_slots.py``'s stripes): the scale bytes
     beyond one copy of TE's grid stay under 1 % of a step's bytes at every accepted layout up to
     1024 ranks whose TP shards hold whole blocks (they were +45 % for 1x128 at 1024-way FSDP when
-    every rank sent whole scale rows). A TP shard starting inside a block gathers by "first rows"
-    (whole scale rows of every block it touches): those layouts are named, not bounded, here."""
+    every rank sent whole scale rows). Layouts whose TP shards start inside a block are left out of
+    the bound (1x128 up to +3.1 % on Llama3-8B at FSDP 16 x TP 64, docs/benchmarks.md)."""
     models = ["llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3-dense"]
     rows = [r for r in layouts.layout_rows(models, RECIPES, 1024) if r["accepted"] and r["fsdp"] > 1]
     assert any(r["tp_splits_blocks"] for r in rows)  # Llama3's K/V at TP 16 and beyond
