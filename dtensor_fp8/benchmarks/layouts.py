@@ -9,12 +9,12 @@ projection row-parallel) and every recipe, every layout of ``fsdp x tp`` ranks (
 ``check_shardable`` for TP shards; TP and FSDP2 shards may both start inside blocks) and the FSDP2
 all-gather bytes per parameter per step are computed from the gather plan's own sizes
 (``scale_slots.scale_slot_numel``: FP8 data, plus each shard's scale slot where blocks lie along dim
-0), for every TP rank's shard at its own block phase (a TP shard starting inside a block gathers its
-touched blocks' scales), summed over the TP ranks, in the plain schedule and under activation checkpointing (MXFP8 and 1x128 gather a
-third plane there: the recompute's rowwise plane), against bf16 FSDP2's 4 bytes. Also the share of
-the scale bytes beyond one copy of TE's grid (each shard's scale slot holds the grid rows of every
-block it touches, padded to the most any shard touches over both planes: FSDP2 sizes all gathers of a
-weight alike). Prints a table and writes ``layouts.json``.
+0), for every TP rank's shard at its own block phase, summed over the TP ranks, in the plain
+schedule and under activation checkpointing (MXFP8 and 1x128 gather a third plane there: the
+recompute's rowwise plane), against bf16 FSDP2's 4 bytes. Also the share of the scale bytes beyond
+one copy of TE's grid (each shard's scale slot holds its stripe of the grid, or for uneven dims the
+grid rows of every block it touches, padded to the most any shard sends over both planes: FSDP2
+sizes all gathers of a weight alike). Prints a table and writes ``layouts.json``.
 
 A computation from the same functions the gathers use, not a measurement: ``wire`` and ``torchtitan``
 count the bytes at the collectives (docs/benchmarks.md), and ``tests/test_split_blocks.py`` /
@@ -126,7 +126,7 @@ def layout_rows(models, recipes, max_ranks: int) -> list[dict]:
             for tp in [t for t in sizes if t <= 64]:
                 for fsdp in [f for f in sizes if f * tp <= max_ranks]:
                     refusals = {n: r for n, (shape, style) in weights.items() if (r := _refusal(recipe, shape, style, tp))}
-                    # whether a TP shard starts inside a block (its FSDP2 gathers then send whole scale rows)
+                    # whether a TP shard starts inside a block (a layout the under-1 % scale test leaves out)
                     tp_split = any(phase != (0, 0) for shape, style in weights.values()
                                    for _, _, phase in _tp_pieces(recipe, shape, style, tp))
                     row = {"model": model, "recipe": recipe_name, "fsdp": fsdp, "tp": tp, "ranks": fsdp * tp,
