@@ -30,6 +30,21 @@ sm_100), with a warning that says why, once per process and reason.
 
 This module never branches on the recipe class: it reads the recipe's block shapes,
 ``gemm_recipe()`` and ``columnwise_is_transpose``, and the scale-layout table.
+
+[Note: shards that start inside blocks]
+A weight that is a piece of a larger one (a tensor-parallel shard run on its own rows, e.g.
+``F.linear(x, w.to_local())``) may start inside its scaling blocks (``QuantizedTensor.phase``):
+its scale grid holds the scale of every block it touches, but its block grid is offset from its
+origin, and torch's block-scaled GEMMs read blocks from the operand's origin. Each GEMM that reads
+the weight pads the weight's plane in front with zero FP8 rows / columns to whole blocks
+(:meth:`Recipe.aligned_plane`: an FP8 copy, never a high-precision one) and pads the other
+operand the same way along the contracted dim (zeros, before it is quantized, so its blocks line
+up with the weight's): the zeros contribute nothing to the contraction, and the extra output rows
+or columns (the padding of the weight's other dim) are cut off. The alternative, splitting the
+GEMM at the first block boundary into an unaligned head and an aligned rest, needs the head as a
+GEMM of its own whose operand still starts inside a block: it has the same problem. Padding costs
+one copy of the weight's FP8 bytes and of the activation per GEMM, only for such pieces (none at
+phase 0); the weight-gradient GEMM reads no weight and runs on the unpadded operands.
 """
 
 from __future__ import annotations
@@ -218,13 +233,23 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "under torch.compile: the operand scaling state (delayed scaling's amax histories) is kept outside the graph"
     tokens = x.numel() // max(x.shape[-1], 1)
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
-    key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0], weight.shape[1], x.dtype, weight.dtype)
-    if any(isinstance(v, torch.SymInt) for v in key[3:6]):
-        # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
-        # SymInt cannot key the cache; the same checks uncached, their divisibility tests guards.
-        return _unsupported.__wrapped__(*key)
-    # Called at every F.linear: the answer depends only on these, so it is computed once for them.
-    return _unsupported(*key)
+    # A piece starting inside its blocks runs on operands padded to whole blocks (see the note on
+    # shards that start inside blocks): the GEMMs' dims are the padded ones.
+    phase = weight.phase
+    fronts = sorted({weight.recipe.usage_phase(u, phase) for u in (ROWWISE, COLUMNWISE)}) if any(phase) else ((0, 0),)
+    for front in fronts:
+        key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0] + front[0], weight.shape[1] + front[1],
+               x.dtype, weight.dtype)
+        if any(isinstance(v, torch.SymInt) for v in key[3:6]):
+            # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
+            # SymInt cannot key the cache; the same checks uncached, their divisibility tests guards.
+            why = _unsupported.__wrapped__(*key)
+        else:
+            # Called at every F.linear: the answer depends only on these, so it is computed once for them.
+            why = _unsupported(*key)
+        if why is not None:
+            return why
+    return None
 
 
 def _has_operand_state(recipe, device) -> bool:
@@ -304,6 +329,26 @@ def operand_states(weight) -> dict:
     return _states(weight, weight.device)
 
 
+def _pad_cols_front(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` (2-D) with ``n`` zero columns before its first (see the note on shards that start
+    inside blocks)."""
+    return torch.nn.functional.pad(t, (n, 0)) if n else t
+
+
+def _quantize_padded(quantizer, hp: torch.Tensor, pad: int, *, rowwise: bool, columnwise: bool, state):
+    """``quantizer.quantize_operand(hp, ...)``, its rowwise plane from ``hp`` with ``pad`` zero
+    columns in front (the contraction against a weight starting inside its blocks; see the note) and
+    its columnwise plane from ``hp`` as it is (the weight-gradient GEMM reads no weight)."""
+    if not pad:
+        return quantizer.quantize_operand(hp, rowwise=rowwise, columnwise=columnwise, state=state)
+    planes, state = quantizer.quantize_operand(_pad_cols_front(hp, pad), rowwise=True, columnwise=False, state=state) \
+        if rowwise else ({}, state)
+    if columnwise:
+        col, state = quantizer.quantize_operand(hp, rowwise=False, columnwise=True, state=state)
+        planes = {**planes, **col}
+    return planes, state
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, needs_wgrad: bool):
@@ -311,13 +356,18 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
+        # A weight starting inside its blocks: whole-block operands (see the note above).
+        w_plane, front = weight.recipe.aligned_plane(weight.plane(ROWWISE), ROWWISE, weight.phase)
         states = _states(weight, x.device)
-        planes, new_state = g.input.quantize_operand(x2, rowwise=True, columnwise=needs_wgrad, state=states.get("input"))
+        planes, new_state = _quantize_padded(g.input, x2, front[1], rowwise=True, columnwise=needs_wgrad,
+                                             state=states.get("input"))
         if new_state is not None:
             states["input"] = new_state
         a = operand(planes[ROWWISE], g.input.block_shape(ROWWISE), 1)
-        b = operand(weight.plane(ROWWISE), weight.recipe.block_shape(ROWWISE), 1)
+        b = operand(w_plane, weight.recipe.block_shape(ROWWISE), 1)
         y = scaled_mm(a, b, x.dtype, fast_accum=g.fast("fprop"), gemm="fprop")
+        if front[0]:
+            y = y[:, front[0]:]
         if bias is not None:
             y = y + bias
         saved = [weight]
@@ -338,17 +388,23 @@ class _FP8Linear(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1] and ctx.needs_wgrad
         grad_x = grad_w = grad_b = None
+        front = (0, 0)
+        if need_dx:  # raises with the fix when the gather did not bring the columnwise plane
+            w_plane, front = w_recipe.aligned_plane(weight.plane(COLUMNWISE), COLUMNWISE, weight.phase)
         if need_dx or need_dw:
             states = _states(weight, dy.device)
-            planes, new_state = g.grad.quantize_operand(dy, rowwise=need_dx, columnwise=need_dw, state=states.get("grad"))
+            planes, new_state = _quantize_padded(g.grad, dy, front[0], rowwise=need_dx, columnwise=need_dw,
+                                                 state=states.get("grad"))
             if new_state is not None:
                 states["grad"] = new_state
         if need_dx:
-            w_plane = weight.plane(COLUMNWISE)  # raises with the fix when the gather did not bring it
-            cache = weight.create_transpose_cache() if w_recipe.columnwise_is_transpose else None
+            # The transpose cache is of the unpadded plane: a padded one is transposed here.
+            cache = weight.create_transpose_cache() if w_recipe.columnwise_is_transpose and not any(front) else None
             b = operand(w_plane, w_recipe.block_shape(COLUMNWISE), 0, transposed=cache)
             a = operand(planes[ROWWISE], g.grad.block_shape(ROWWISE), 1)
             grad_x = scaled_mm(a, b, ctx.x_dtype, fast_accum=g.fast("dgrad"), gemm="dgrad")
+            if front[1]:
+                grad_x = grad_x[:, front[1]:]
             grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
             # The transpose cache lives from the backward gather to its one use (see fsdp.py).
             weight.discard_transpose_cache()

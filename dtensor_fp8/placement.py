@@ -6,11 +6,12 @@ geometry travels with the local tensor (its recipe), and the direction with the 
 We do not subclass ``Shard``: in torch 2.13 it is a C++ class whose ``==``/hash a Python subclass
 inherits, so DTensor's redistribute plan cache (``_gen_transform_infos``) would hand a plain-Shard
 plan to the subclass or the reverse, and overriding ``__eq__`` breaks DTensor construction. With
-plain placements the cached plans are the ordinary ones, and correctness rests on two checks made
-here: (1) every shard boundary that torch's chunk rule produces falls on a block boundary of every
-stored plane (checked when the DTensor is built, with an error naming shape, block and world size
-otherwise); (2) the local tensor's ops (``ops.py``) move whole blocks only. Uneven shards are
-exact when the boundaries are aligned (only the last block is ragged).
+plain placements the cached plans are the ordinary ones, and correctness rests on the local
+tensor's ops (``ops/``): a shard whose boundary falls inside a block carries its block phase and
+the scale of every block it touches (``formats/base.py``'s note), and a layout those ops cannot
+gather (a ``Shard(1)`` cut inside blocks: DTensor gathers dim 1 by stacking pieces along dim 0) is
+refused when the DTensor is built (:func:`check_placements`, naming shape, block and world size),
+or before a gather sends anything.
 
 Direction: ``dtensor_fp8.for_usage(dt, "rowwise")`` is a zero-copy DTensor view whose local
 tensor holds only the rowwise plane; ``redistribute(mesh, [Replicate()])`` / ``full_tensor()`` of

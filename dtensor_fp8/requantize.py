@@ -5,10 +5,13 @@ After ``step()`` every FP8 parameter's local shard is requantized in place from 
 shard, into every plane it stores. A scaling block that lies inside one shard needs nothing from
 other ranks. A block that spans a sharded dim (per-tensor scaling: the block is the whole tensor)
 needs the max over all shards, and so does a block that a shard boundary splits (FSDP2 at a
-degree whose shards are not whole blocks: see "block phase" in ``formats/base.py``): each rank
-places the partial amaxes of the blocks it touches in the weight's whole block grid along the
-split dim (zeros elsewhere) and the grids are MAX-reduced over the mesh dims sharding that dim,
-so every rank holding part of a block gets the amax over exactly its elements. All those amaxes,
+degree whose shards are not whole blocks, a ColwiseParallel / RowwiseParallel shard starting
+inside a block: see "block phase" in ``formats/base.py``): each rank places the partial amaxes of
+the blocks it touches in the weight's whole block grid along every split dim (zeros elsewhere) and
+the grids are MAX-reduced over the mesh dims sharding those dims (dp for FSDP2's cut, tp for the
+TP style's, both where both cut), so every rank holding part of a block gets the amax over exactly
+its elements. This is the one place a TP shard's split blocks meet: at each requantization, never
+in a GEMM. All those amaxes,
 of *all* weights, are packed into one tensor per group and reduced with a single all-reduce, not
 one per weight. Delayed scaling records the global amax in its per-weight amax history (the
 weight's owner record, ``QuantizedTensor.param_state``) and takes the next scale from TE's update
@@ -55,32 +58,38 @@ def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 class SplitBlocks(NamedTuple):
-    """A plane whose blocks along dim 0 are split between shards: where this shard's blocks lie in
-    the weight's block grid, and the groups its block amaxes reduce over."""
+    """A plane whose blocks are split between shards along dim 0 and/or dim 1 (FSDP2 at a degree
+    whose shards are not whole blocks; a tensor-parallel shard starting inside a block): where this
+    shard's blocks lie in the weight's block grid along each split dim, and the groups its block
+    amaxes reduce over. Along a dim that no shard boundary splits the grid is this shard's own (the
+    ranks of :attr:`groups` hold the same blocks of that dim: a mesh dim's group varies one
+    coordinate only)."""
 
-    first: int  # index, in the whole grid, of the first block this shard touches
-    total: int  # blocks of the whole dim 0
+    first: tuple[int, int]  # per dim: index, in the whole grid, of the first block this shard touches (0: not split)
+    total: tuple[int | None, int | None]  # per dim: blocks of the whole dim where split, None where not
     groups: tuple
 
-    def whole(self, rows: torch.Tensor) -> torch.Tensor:
-        """The whole dim-0 grid with this shard's ``rows`` (of the blocks it touches) in place,
-        zeros elsewhere: what a MAX reduction over :attr:`groups` completes."""
-        out = rows.new_zeros((self.total, *rows.shape[1:]))
-        out[self.first : self.first + rows.shape[0]] = rows
+    def whole(self, local: torch.Tensor) -> torch.Tensor:
+        """The grid whole along the split dims with this shard's ``local`` grid (of the blocks it
+        touches) in place, zeros elsewhere: what a MAX reduction over :attr:`groups` completes."""
+        shape = tuple(n if t is None else t for n, t in zip(local.shape, self.total))
+        out = local.new_zeros(shape)
+        out[self.first[0] : self.first[0] + local.shape[0], self.first[1] : self.first[1] + local.shape[1]] = local
         return out
 
-    def touched(self, whole: torch.Tensor, rows: int) -> torch.Tensor:
-        """The ``rows`` grid rows of the blocks this shard touches, out of ``whole``."""
-        return whole[self.first : self.first + rows]
+    def touched(self, whole: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The ``grid``-shaped part of ``whole`` holding the blocks this shard touches."""
+        return whole[self.first[0] : self.first[0] + grid[0], self.first[1] : self.first[1] + grid[1]]
 
 
 @functools.lru_cache(maxsize=4096)
-def _split_start(layout: groups.Layout, block: int) -> int | None:
-    """This rank's first row along dim 0 if ``layout``'s shards split ``block``-row blocks, else
-    ``None`` (a pure function of the layout, kept: each requantization asks it of every weight)."""
-    if not groups.splits_blocks(layout, 0, block):
-        return None
-    return groups.dim_pieces(layout, 0)[0][0]
+def _split_starts(layout: groups.Layout, blocks: tuple) -> tuple | None:
+    """Per dim, this rank's first element if ``layout``'s shards split that dim's ``blocks[dim]``-long
+    blocks (else ``None``); ``None`` when no dim is split (a pure function of the layout, kept: each
+    requantization asks it of every weight)."""
+    starts = tuple(groups.dim_pieces(layout, d)[0][0] if groups.splits_blocks(layout, d, b) else None
+                   for d, b in enumerate(blocks))
+    return None if all(s is None for s in starts) else starts
 
 
 def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
@@ -89,17 +98,19 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
 
     Example:
         >>> split_blocks(w, "rowwise")   # 128x128 blocks, a 256-row weight over 4 ranks, rank 1
-        SplitBlocks(first=0, total=2, groups=(<ProcessGroup dp>,))
+        SplitBlocks(first=(0, 0), total=(2, None), groups=(<ProcessGroup dp>,))
     """
     layout = groups.layout_of(p)
-    q = local_tensor(p)
-    block = q.recipe.block_shape(usage).extent(0)
-    if layout is None or block is None:
+    if layout is None:
         return None
-    start = _split_start(layout, block)
-    if start is None:
+    block = local_tensor(p).recipe.block_shape(usage)
+    starts = _split_starts(layout, (block.extent(0), block.extent(1)))
+    if starts is None:
         return None
-    return SplitBlocks(start // block, -(-layout.shape[0] // block), groups.weight_groups(p, lambda d: d == 0))
+    split = [d for d, s in enumerate(starts) if s is not None]
+    return SplitBlocks(tuple(0 if s is None else s // block.extent(d) for d, s in enumerate(starts)),
+                       tuple(None if s is None else -(-layout.shape[d] // block.extent(d)) for d, s in enumerate(starts)),
+                       groups.weight_groups(p, lambda d: d in split))
 
 
 class AmaxReduction:
@@ -126,7 +137,7 @@ class AmaxReduction:
             if any(q.recipe.spans_dim(usage, d) for d in sharded):
                 self.spanning.setdefault((q.recipe, usage), []).append(i)
                 self.reduce_over[i] = groups.weight_groups(p, lambda d, q=q, usage=usage: q.recipe.spans_dim(usage, d))
-            elif 0 in sharded and (split := split_blocks(p, usage)) is not None:
+            elif sharded and (split := split_blocks(p, usage)) is not None:
                 self.split[i] = split
                 self.reduce_over[i] = split.groups
         #: whether :meth:`amaxes` communicates (blocks across shards on a mesh dim of more than one rank)
@@ -148,7 +159,7 @@ class AmaxReduction:
             for i, amax in zip(order, reduced, strict=True):
                 out[i] = amax
         for i, split in self.split.items():  # back to the blocks this shard touches
-            out[i] = split.touched(out[i], self.jobs[i][0].planes[self.jobs[i][1]].scale_inv.shape[0])
+            out[i] = split.touched(out[i], tuple(self.jobs[i][0].planes[self.jobs[i][1]].scale_inv.shape))
         return out
 
 

@@ -8,17 +8,18 @@ scale input of a weight is padded to one slot, the same on every rank and for bo
 
 - *whole blocks* (every shard starts and ends on block boundaries): the rank's own grid; the slots
   concatenate to the full grid.
-- *stripes* (shards split blocks, evenly, at block phase 0: FSDP2 over a weight or over a TP shard
-  that holds whole blocks): the full grid, flattened row-major, is cut where the ranks' rows are
+- *stripes* (shards split blocks, evenly: FSDP2 over a weight or over a TP shard, which may itself
+  start inside a block): the full grid, flattened row-major, is cut where the ranks' rows are
   cut, in proportion: a rank starting ``o`` rows into block ``j`` starts its stripe at
-  ``j * grid_cols + o * grid_cols // block_rows``, so where shards hold ``rows * grid_cols /
-  block_rows`` scales exactly, rank ``r`` sends elements ``[r * S, (r + 1) * S)``. Every element
+  ``j * grid_cols + o * grid_cols // block_rows`` (``o`` and ``block_rows`` counted over the rows
+  of the block the gathered weight holds), so where shards hold ``rows * grid_cols / block_rows``
+  scales exactly, rank ``r`` sends elements ``[r * S, (r + 1) * S)``. Every element
   lies in a block the rank touches, whose scale it holds (a shared block's scale is the same on
   every rank holding it: ``requantize.AmaxReduction``). Each scale crosses the wire once, so the slots hold
   one copy of the grid: no scale row is sent twice however many ranks share a block (at 1024-way
   FSDP of a Llama3 K projection, 128 ranks share each 128-row block).
 - *first rows* (the rest: uneven dims, where a shard past the weight's end holds padding only and
-  cannot know a shared block's scale; a phase other than 0): each
+  cannot know a shared block's scale): each
   rank sends every grid row it touches, and the full grid takes each block's row from the rank
   holding the block's first row. A shared block then crosses the wire once per rank holding it.
 
@@ -76,16 +77,21 @@ class ScaleRoute:
         return rows.index_select(0, self.sources.to(rows.device))
 
 
-def _stripe_starts(b: int, world: int, rows: int, grid: tuple[int, int]) -> list[int]:
+def _stripe_starts(b: int, world: int, rows: int, grid: tuple[int, int], phase: int = 0) -> list[int]:
     """Where each rank's stripe starts in the flat full grid, and the grid's end: rank ``r``'s first
-    row, mapped into its block's grid row in proportion to its offset in the block (a last block
-    that the shards fill only in part is cut in proportion to the rows it has)."""
+    row, mapped into its block's grid row in proportion to its offset among the block's rows that
+    the gathered weight holds (its first block holds ``b - phase`` of them when the weight, a TP
+    shard, starts ``phase`` rows into a block; a last block the shards fill in part is cut in
+    proportion to the rows it has). A stripe then ends inside the block holding the rank's last
+    row, or at the end of the block before: it lies in blocks the rank touches."""
     g_rows, g_cols = grid
+    total = world * rows
     starts = []
     for r in range(world):
-        block, offset = divmod(r * rows, b)
-        block_rows = b if block < g_rows - 1 else world * rows - block * b
-        starts.append(block * g_cols + offset * g_cols // block_rows)
+        at = phase + r * rows  # rank r's first row, counted from the first block's start
+        block = at // b
+        first, stop = max(block * b, phase), min((block + 1) * b, phase + total)  # the block's rows held
+        starts.append(block * g_cols + (at - first) * g_cols // (stop - first))
     return starts + [g_rows * g_cols]
 
 
@@ -116,11 +122,12 @@ def scale_route(block, world: int, rows: int, cols: int, phase: tuple[int, int],
     sources = scale_rows_of_pieces(block, world, rows, cols, phase) if b is not None else None
     if sources is None:
         return ScaleRoute("whole blocks", world, full, local[0] * local[1])
-    if even and phase[0] % b == 0:
-        starts = _stripe_starts(b, world, rows, full)
+    if even:
+        p0 = phase[0] % b
+        starts = _stripe_starts(b, world, rows, full, p0)
         counts = [stop - start for start, stop in zip(starts, starts[1:])]
         slot = max(counts)
-        span = (starts[rank] - (rank * rows) // b * full[1], counts[rank])
+        span = (starts[rank] - (p0 + rank * rows) // b * full[1], counts[rank])
         if len(set(counts[:-1])) == 1:  # equal stripes (the last may differ): two slices assemble the grid
             return ScaleRoute("stripes", world, full, slot, span=span, share=counts[0])
         # Stripes of unequal length (a share of a block that is not a whole number of scales, a last

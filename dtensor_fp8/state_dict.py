@@ -100,9 +100,10 @@ def plane_entries(param: torch.Tensor) -> dict:
             data = like(param, data)
             placements = _scale_placements(param, q.recipe, usage)
             split = split_blocks(param, usage)
-            if split is not None:  # shards split blocks: the whole dim-0 grid (see the note)
-                placements = [Replicate() if shard_dim(pl) == 0 else pl for pl in placements]
-                scale = _whole_grid(scale, split)  # this rank's columns, every row
+            if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
+                placements = [Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
+                              for pl in placements]
+                scale = _whole_grid(scale, split)
             scale = DTensor.from_local(scale, param.device_mesh, placements,
                                        run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
         entry[plane_key(usage, "data")] = data
@@ -173,9 +174,9 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         data, scale = local_tensor(entry[plane_key(usage, "data")]), local_tensor(entry[plane_key(usage, "scale_inv")])
         split = None if full or not isinstance(param, DTensor) else split_blocks(param, usage)
         if split is not None and isinstance(entry[plane_key(usage, "scale_inv")], DTensor):
-            scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, plane.scale_inv.shape[0])
+            scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, tuple(plane.scale_inv.shape))
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
-            scale = split.touched(scale, plane.scale_inv.shape[0])  # a plain tensor of the whole grid
+            scale = split.touched(scale, tuple(plane.scale_inv.shape))  # a plain tensor of the whole grid
         want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
@@ -201,26 +202,27 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # [Note: saved scales of shards that split blocks]
-# Where shards split blocks (see "block phase" in formats/base.py) each rank holds the scale rows of
+# Where shards split blocks (see "block phase" in formats/base.py) each rank holds the scales of
 # the blocks it touches, a shared block on both ranks, which no DTensor sharding describes. The
-# entry's scale tensor is then the weight's whole grid along dim 0 (replicated over the mesh dims
-# sharding dim 0, still sharded along dim 1 where the data is): each rank builds it from its rows
-# with one MAX all-reduce (every rank's rows in place, zeros elsewhere), DCP writes it once, and a
-# load takes this rank's touched rows out of it. The checkpoint holds the same grid as at any
+# entry's scale tensor is then the weight's grid whole along every split dim (dim 0 where FSDP2 or
+# ColwiseParallel cut inside blocks, dim 1 where RowwiseParallel does; replicated over the mesh
+# dims sharding those dims, still sharded along an aligned dim where the data is): each rank builds
+# it from its own with one MAX all-reduce (every rank's scales in place, zeros elsewhere), DCP
+# writes it once, and a load takes this rank's touched blocks out of it. The checkpoint holds the same grid as at any
 # other layout, so it loads aligned or split, at any world size, and old checkpoints load here.
 # Cost: the dim-0 scale grids of such weights are whole on every rank while the state dict lives
 # (128x128: 4 bytes per 128x128 block; 1x128 and MXFP8 column planes: 1/32 byte per element).
 def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
-    """The whole dim-0 block grid of a weight from each rank's touched rows ``scale``."""
+    """A weight's block grid, whole along the split dims, from each rank's touched blocks ``scale``."""
     rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
     whole = groups.max_over_(split.whole(rows), split.groups)
     return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
 
 
-def _touched_rows(saved, split, rows: int) -> torch.Tensor:
-    """The scale rows of the blocks this rank's shard touches, from a loaded grid DTensor ``saved``
-    (whole along dim 0: see the note)."""
-    return split.touched(saved.to_local(), rows)
+def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
+    """The scales of the blocks this rank's shard touches (a ``grid``), from a loaded grid DTensor
+    ``saved`` (whole along the split dims: see the note)."""
+    return split.touched(saved.to_local(), grid)
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:

@@ -230,8 +230,8 @@ class QuantizedTensor(torch.Tensor):
         for usage, (data_attr, scale_attr) in PLANE_ATTRS.items():
             data = getattr(self, data_attr)
             if data is not None:
-                rows = self._recipe.block_shape(usage).grid(tuple(data.shape), self._phase)[0]
-                planes[usage] = Plane(data, getattr(self, scale_attr)[:rows])
+                rows, cols = self._recipe.block_shape(usage).grid(tuple(data.shape), self._phase)
+                planes[usage] = Plane(data, getattr(self, scale_attr)[:rows, :cols])
         self._set_planes(planes, self._usages)
         return self
 

@@ -11,10 +11,27 @@ Usage::
 
 Parameters end up as DTensors on the 2-D mesh with torch's own placements, e.g.
 ``(_StridedShard(0, sf=tp), Shard(0))`` for a column-parallel weight and ``(Shard(0), Shard(1))``
-for a row-parallel one; each rank's local tensor is a :class:`QuantizedTensor` holding whole
-scaling blocks. FSDP gathers FP8 bytes over dp (one direction per gather, ``fsdp.py``); the TP
-GEMMs run on the local planes (``ops.py``, "Tensor-parallel compute"), and the only TP
+for a row-parallel one; each rank's local tensor is a :class:`QuantizedTensor` holding its
+elements and the scale of every block they touch. FSDP gathers FP8 bytes over dp (one direction
+per gather, ``fsdp.py``); the TP GEMMs run on the local planes (``ops/gemm.py``), and the only TP
 collectives move activations and activation gradients, as with high-precision weights.
+
+[Note: tensor-parallel shards that split blocks]
+torch's ``Shard`` cuts where the chunk rule says, whatever the blocks: Qwen3-4B's 9728-row MLP at
+TP 8 gives 1216 rows a rank (9.5 blocks of 128), Llama3's 1024-row K/V projections at TP 16 give 64.
+Such a shard starts inside a block (its *block phase*, ``formats/base.py``), along dim 0 for
+``ColwiseParallel`` and dim 1 for ``RowwiseParallel``; FSDP2 may cut it further along dim 0. It
+keeps the scale of every block it touches, and a block shared by several TP (and dp) ranks has one
+scale, from the amax over exactly its elements: at each requantization (optimizer step,
+``finish_init_``, ``copy_`` of high-precision values, high-precision loads) each rank puts its
+partial block amaxes in the weight's whole block grid along the split dims and the grids are
+MAX-reduced over the weight's own mesh groups sharding those dims (``requantize.AmaxReduction``),
+once per requantization and never per GEMM. The shards are then exactly ``quantize(full)`` cut at
+the TP boundaries, so numerics and checkpoints do not depend on the TP degree. The local GEMMs
+read the planes at their phase: the emulated GEMMs under DTensor (``ops/gemm.py``) dequantize with
+the block grid offset (``Recipe.dequantize_plane_at``); an FP8 GEMM on such a piece
+(``F.linear(x, w.to_local())``) pads its operands to whole blocks (``gemm.py``'s note). Checkpoints
+hold the grid whole along split dims (``state_dict.py``), so they load at any other layout.
 
 [Note: one per-tensor scale for the logical tensor under TP]
 With per-tensor recipes (delayed and current scaling) a TP shard could carry its own scale (amax of
@@ -34,8 +51,7 @@ for the logical tensor:
   per-shard scale would only help when shards' magnitudes differ by more than FP8's dynamic range
   can absorb, which is what block recipes (MXFP8, blockwise) are for.
 
-Block recipes need no reduction: their blocks never straddle a shard boundary (checked here for
-TP, in ``fsdp.py`` for dp), so every shard's scales are the full tensor's scales for its blocks.
+Block recipes need a reduction only for the blocks a shard boundary splits (the note above).
 
 [Note: why our own parallelize_module]
 torch's TP styles call ``distribute_tensor(param, mesh, [Shard(d)], src_data_rank=0)``, which
@@ -43,9 +59,9 @@ scatters rank 0's copy through c10d (``scatter_`` / ``broadcast_``) with the wra
 the tensor lists: c10d cannot send it (a SIGSEGV / "Bad address" on gloo in early versions; now
 ``ops.py`` refuses those two ops on every rank with this fix in the message). With
 ``src_data_rank=None`` every rank slices its own copy (identical on every rank after
-``quantize_module_``) at block boundaries, and nothing is communicated. This
-function also checks block alignment of every FP8 weight against the tp degree first, so a
-misaligned plan fails with the shape, block, tp size and the fix, before any weight is touched.
+``quantize_module_``), and nothing is communicated. This function also checks the plan against
+every FP8 weight first (:func:`check_tp_plan`), so a plan that cannot be represented fails with
+the shape, recipe, tp size and the fix before any weight is touched.
 """
 
 from __future__ import annotations
@@ -85,9 +101,11 @@ def _matching_modules(module: nn.Module, path: str):
 
 
 def check_tp_plan(module: nn.Module, mesh: DeviceMesh, plan) -> None:
-    """Raise :class:`~dtensor_fp8.RecipeError` if a TP style would split a scaling block of an FP8
-    weight (e.g. ``RowwiseParallel`` shards K, so 1x32 / 1x128 rowwise blocks need ``K / tp`` to be
-    a multiple of 32 / 128).
+    """Raise :class:`~dtensor_fp8.RecipeError` if a TP style shards an FP8 weight in a way that
+    cannot be represented exactly (:func:`~dtensor_fp8.check_shardable` with ``computes=True``).
+    ``ColwiseParallel`` and ``RowwiseParallel`` chunks may start inside scaling blocks at any
+    degree, uneven dims included (see the note on tensor-parallel shards that split blocks), so
+    for them this accepts every degree today; it stays the one place a TP rule would be checked.
 
     Args:
         module: the model (FP8 weights already quantized, not yet parallelized).
@@ -117,8 +135,8 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_p
 
     Call it after :func:`dtensor_fp8.quantize_module_` (every rank holding the same full weights)
     and before ``fully_shard``. Styles are torch's (``ColwiseParallel``, ``RowwiseParallel``,
-    ``PrepareModuleInput``, ...); FP8 weights are sliced locally at block boundaries
-    (``src_data_rank=None``), after checking that no scaling block straddles a TP boundary.
+    ``PrepareModuleInput``, ...); FP8 weights are sliced locally (``src_data_rank=None``), after
+    :func:`check_tp_plan`; a shard may start inside a scaling block (see the notes above).
 
     Args:
         module: the model.

@@ -142,7 +142,7 @@ def _split_dim1_refused(recipe_name, shape):
     with pytest.raises(d.RecipeError) as err:
         d.distribute(_input(shape), mesh, [Shard(1)], RECIPES[recipe_name])
     msg = str(err.value)
-    for part in (str(tuple(shape)), f"over {world} ranks", "dim 0 only", "Fix:"):
+    for part in (str(tuple(shape)), f"over {world} ranks", "gathered along dim 1", "RowwiseParallel", "Fix:"):
         assert part in msg, msg
     return msg
 

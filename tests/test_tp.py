@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -337,35 +337,8 @@ def test_dp_gathers_move_fp8_bytes_and_tp_moves_activations(pools, recipe_name):
     print(f"{recipe_name}: dp all-gathers (uint8 bytes sent per rank) {[s for _, s, _ in calls]}; tp all-reduces {reduces}")
 
 
-# ---- misaligned TP shards, and torch's src_data_rank=0 -------------------------------------------------------
-MISALIGNED_TP = {  # recipe -> (style, in_features, out_features) whose TP boundary splits a block
-    "mxfp8": ("row", 96, 64),  # K / tp = 48: splits the 1x32 rowwise blocks
-    "blockwise1d": ("row", 384, 256),  # K / tp = 192: splits the 1x128 rowwise blocks
-    "blockwise2d": ("col", 256, 384),  # M / tp = 192: splits the 128x128 blocks
-}
-
-
-def _misaligned_tp(recipe_name):
-    style, k, m = MISALIGNED_TP[recipe_name]
-    model = d.quantize_module_(nn.Sequential(nn.Linear(k, m, bias=False)), RECIPES[recipe_name])
-    mesh = init_device_mesh(DEVICE, (DP, TP), mesh_dim_names=("dp", "tp"))
-    plan = {"0": RowwiseParallel() if style == "row" else ColwiseParallel()}
-    with pytest.raises(d.RecipeError) as err:
-        d.parallelize_module(model, mesh["tp"], plan)
-    assert isinstance(model[0].weight, d.QuantizedTensor) and not isinstance(model[0].weight, DTensor)
-    return str(err.value)
-
-
-@needs_4_ranks
-@pytest.mark.parametrize("recipe_name", list(MISALIGNED_TP))
-def test_misaligned_tp_shards_raise_with_the_fix(pools, recipe_name):
-    style, k, m = MISALIGNED_TP[recipe_name]
-    dim = 1 if style == "row" else 0
-    recipe = RECIPES[recipe_name]
-    for msg in pools[WORLD].run(_misaligned_tp, recipe_name):
-        for part in (str((m, k)), f"dim {dim}", f"tensor-parallel size {TP}", str(recipe.block_shape("rowwise")),
-                     f"block of {recipe.shard_alignment(dim)}", "Fix:", recipe.name):
-            assert part in msg, (part, msg)
+# ---- torch's src_data_rank=0 ----------------------------------------------------------------------------------
+# (TP shards that start inside blocks, formerly refused here: tests/test_tp_split_blocks.py)
 
 
 def _torch_default_src_rank():

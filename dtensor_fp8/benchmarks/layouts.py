@@ -5,24 +5,28 @@
 For every model's FP8 Linear weights (a decoder layer: attention and MLP projections, with torchtitan's
 tensor-parallel plan: Q/K/V and the MLP's gate/up column-parallel, the attention output and down
 projection row-parallel) and every recipe, every layout of ``fsdp x tp`` ranks (powers of two up to
-``--max-ranks``) is checked with the library's own rules (``check_shardable`` for TP shards, which
-compute on their own rows and hold whole blocks; FSDP2 shards dim 0 anywhere, splitting blocks where
-its chunks do) and the FSDP2 all-gather bytes per parameter per step are computed from the gather
-plan's own sizes (``scale_slots.scale_slot_numel``: FP8 data, plus each shard's scale slot where blocks
-lie along dim 0), in the plain schedule and under activation checkpointing (MXFP8 and 1x128 gather a
-third plane there: the recompute's rowwise plane), against bf16 FSDP2's 4 bytes. Also the share of
-the scale bytes beyond one copy of TE's grid (each shard's scale slot holds the grid rows of every
-block it touches, padded to the most any shard touches over both planes: FSDP2 sizes all gathers of a
-weight alike). Prints a table and writes ``layouts.json``.
+``--max-ranks``) is checked with the library's own rules (the recipe's shape rule and
+``check_shardable`` for TP shards; TP and FSDP2 shards may both start inside blocks) and the FSDP2
+all-gather bytes per parameter per step are computed from the gather plan's own sizes
+(``scale_slots.scale_slot_numel``: FP8 data, plus each shard's scale slot where blocks lie along dim
+0), for every TP rank's shard at its own block phase, summed over the TP ranks, in the plain
+schedule and under activation checkpointing (MXFP8 and 1x128 gather a third plane there: the
+recompute's rowwise plane), against bf16 FSDP2's 4 bytes. Also the share of the scale bytes beyond
+one copy of TE's grid (each shard's scale slot holds its stripe of the grid, or for uneven dims the
+grid rows of every block it touches, padded to the most any shard sends over both planes: FSDP2
+sizes all gathers of a weight alike). Prints a table and writes ``layouts.json``.
 
 A computation from the same functions the gathers use, not a measurement: ``wire`` and ``torchtitan``
-count the bytes at the collectives (docs/benchmarks.md), and ``tests/test_split_blocks.py`` checks
-the gathers byte for byte.
+count the bytes at the collectives (docs/benchmarks.md), and ``tests/test_split_blocks.py`` /
+``tests/test_tp_split_blocks.py`` check the gathers byte for byte (the bytes counted at the
+collectives are checked against this computation for 1-D FSDP2 layouts only:
+``tests/test_layouts_benchmark.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -56,13 +60,23 @@ MODELS: dict[str, dict[str, tuple[tuple[int, int], str]]] = {
 BF16_BYTES_PER_PARAM_STEP = 4.0  # bf16 FSDP2: 2 bytes, gathered in forward and again in backward
 
 
-def _tp_local(shape, style, tp):
+def _tp_pieces(recipe, shape, style, tp) -> list[tuple[int, int, tuple[int, int]]]:
+    """Every TP rank's shard of a weight: ``(rows, cols, block phase)`` by torch's chunk rule (the
+    phase modulo the recipe's block period: where the shard starts inside its blocks), one entry per
+    TP rank (the sums over them are per TP group, so a replicated weight counts ``tp`` times)."""
     rows, cols = shape
-    if style == "col":
-        return -(-rows // tp), cols
-    if style == "row":
-        return rows, -(-cols // tp)
-    return rows, cols
+    dim = {"col": 0, "row": 1}.get(style)
+    if dim is None:  # not tensor-parallel: every TP rank holds (and FSDP2 gathers) the whole weight
+        return [(rows, cols, (0, 0))] * tp
+    size = shape[dim]
+    chunk = -(-size // tp)
+    out = []
+    for r in range(tp):
+        start, stop = min(r * chunk, size), min((r + 1) * chunk, size)
+        phase = [0, 0]
+        phase[dim] = start % recipe.phase_period(dim)
+        out.append((stop - start, cols, tuple(phase)) if dim == 0 else (rows, stop - start, tuple(phase)))
+    return out
 
 
 def _refusal(recipe, shape, style, tp) -> str | None:
@@ -79,10 +93,12 @@ def _refusal(recipe, shape, style, tp) -> str | None:
     return None
 
 
-def _gather_bytes(recipe, rows, cols, fsdp) -> dict[str, tuple[int, int]]:
+@functools.lru_cache(maxsize=65536)
+def _gather_bytes(recipe, rows, cols, fsdp, phase=(0, 0)) -> dict[str, tuple[int, int]]:
     """Per stored plane: ``(bytes one FSDP2 gather of it moves in all, of which scale bytes beyond
     one copy of TE's grid of the whole weight)`` (every rank sends its padded shard and its scale
-    slot: the grid rows it touches, padded to the most any rank touches over both planes)."""
+    slot: the grid rows it touches, padded to the most any rank touches over both planes), for a
+    ``rows x cols`` weight (or TP shard) starting at block ``phase``."""
     from ..formats.base import USAGES
     from ..scale_slots import scale_slot_numel
 
@@ -93,8 +109,8 @@ def _gather_bytes(recipe, rows, cols, fsdp) -> dict[str, tuple[int, int]]:
         block = recipe.block_shape(usage)
         data, scales, extra = fsdp * padded * cols, 0, 0
         if fsdp > 1 and block.extent(0) is not None:
-            scales = fsdp * scale_slot_numel(recipe, padded, cols, fsdp) * itemsize
-            whole = block.grid((fsdp * padded, cols))
+            scales = fsdp * scale_slot_numel(recipe, padded, cols, fsdp, phase) * itemsize
+            whole = block.grid((fsdp * padded, cols), phase)
             extra = max(0, scales - whole[0] * whole[1] * itemsize)
         out[usage] = (data + scales, extra)
     return out
@@ -110,21 +126,25 @@ def layout_rows(models, recipes, max_ranks: int) -> list[dict]:
             for tp in [t for t in sizes if t <= 64]:
                 for fsdp in [f for f in sizes if f * tp <= max_ranks]:
                     refusals = {n: r for n, (shape, style) in weights.items() if (r := _refusal(recipe, shape, style, tp))}
+                    # whether a TP shard starts inside a block (a layout the under-1 % scale test leaves out)
+                    tp_split = any(phase != (0, 0) for shape, style in weights.values()
+                                   for _, _, phase in _tp_pieces(recipe, shape, style, tp))
                     row = {"model": model, "recipe": recipe_name, "fsdp": fsdp, "tp": tp, "ranks": fsdp * tp,
                            "accepted": not refusals, "refused": sorted(refusals),
-                           "why": next(iter(refusals.values()), None)}
+                           "why": next(iter(refusals.values()), None), "tp_splits_blocks": tp_split}
                     if not refusals and fsdp > 1:
                         numel = plain = ac = extra = 0
                         for shape, style in weights.values():
-                            r, c = _tp_local(shape, style, tp)
-                            per_plane = _gather_bytes(recipe, r, c, fsdp)
-                            numel += r * c
-                            # plain: forward gathers the rowwise plane, backward the columnwise one;
-                            # under checkpointing two-plane recipes also complete the recompute's rowwise
-                            gathers = [recipe.stored_usage("rowwise"), recipe.stored_usage("columnwise")]
-                            plain += sum(per_plane[u][0] for u in gathers)
-                            extra += sum(per_plane[u][1] for u in gathers)
-                            ac += sum(per_plane[u][0] for u in gathers) + (per_plane["rowwise"][0] if len(per_plane) == 2 else 0)
+                            for r, c, phase in _tp_pieces(recipe, shape, style, tp):  # each TP rank's dp gathers
+                                per_plane = _gather_bytes(recipe, r, c, fsdp, phase)
+                                numel += r * c
+                                # plain: forward gathers the rowwise plane, backward the columnwise one;
+                                # under checkpointing two-plane recipes also complete the recompute's rowwise
+                                gathers = [recipe.stored_usage("rowwise"), recipe.stored_usage("columnwise")]
+                                plain += sum(per_plane[u][0] for u in gathers)
+                                extra += sum(per_plane[u][1] for u in gathers)
+                                ac += (sum(per_plane[u][0] for u in gathers)
+                                       + (per_plane["rowwise"][0] if len(per_plane) == 2 else 0))
                         row.update(bytes_per_param_step=plain / numel, ac_bytes_per_param_step=ac / numel,
                                    vs_bf16=plain / numel / BF16_BYTES_PER_PARAM_STEP,
                                    ac_vs_bf16=ac / numel / BF16_BYTES_PER_PARAM_STEP,

@@ -367,8 +367,8 @@ class Recipe(abc.ABC):
     # ---- block phase: pieces that start inside a block ------------------------------------------
     # [Note: block phase]
     # A shard whose boundary falls inside a scaling block (FSDP2 at a degree whose chunks are not
-    # whole blocks, an uneven dim, TP x FSDP2 splitting a TP shard's blocks) starts ``phase``
-    # elements into its first block along each dim. It stores its own FP8 rows and the scale of
+    # whole blocks, an uneven dim, a ColwiseParallel (dim 0) or RowwiseParallel (dim 1) shard, TP x
+    # FSDP2) starts ``phase`` elements into its first block along each dim. It stores its own FP8 rows and the scale of
     # every block it touches: its local scale grid is ``block_shape(u).grid(shape, phase)``, and a
     # block shared with a neighbour has the same scale on both ranks (the amax over exactly the
     # block's elements, reduced over the ranks that share it: ``requantize.py``). The ``*_at``
@@ -416,11 +416,37 @@ class Recipe(abc.ABC):
     def dequantize_plane_at(self, plane: Plane, usage: str, dtype: torch.dtype = torch.float32,
                             phase: tuple[int, int] = (0, 0)) -> torch.Tensor:
         """:meth:`dequantize_plane` of a piece at ``phase``."""
-        front = self.usage_phase(usage, phase)
+        aligned, front = self.aligned_plane(plane, usage, phase)
         if not any(front):
             return self.dequantize_plane(plane, usage, dtype)
+        return self.decode(aligned.data, aligned.scale_inv, usage, dtype)[front[0]:, front[1]:].contiguous()
+
+    def aligned_plane(self, plane: Plane, usage: str, phase: tuple[int, int] = (0, 0)) -> tuple[Plane, tuple[int, int]]:
+        """The plane of a piece at ``phase`` as the plane of a matrix whose blocks start at its
+        origin: ``front`` zero FP8 rows / columns before its first ones (the byte 0 is +0 in every
+        FP8 format), the same scale grid (it already holds the scale of every block the piece
+        touches). A GEMM reads it as a whole-block operand: the zeros contribute nothing to a
+        contraction, and the ``front`` extra output rows / columns are cut off by the caller
+        (``gemm.py``'s note on shards that start inside blocks). No copy at phase 0.
+
+        Args:
+            plane: the piece's plane.
+            usage: the plane's usage (its blocks).
+            phase: the piece's block phase (``QuantizedTensor.phase``).
+
+        Returns:
+            ``(plane, front)``: ``front`` is ``(rows, cols)`` of zeros in front.
+
+        Example:
+            >>> aligned, front = Blockwise(block_dims=2).aligned_plane(piece.plane("rowwise"), "rowwise", (64, 0))
+            >>> front, aligned.data.shape[0] == piece.shape[0] + 64
+            ((64, 0), True)
+        """
+        front = self.usage_phase(usage, phase)
+        if not any(front):
+            return plane, front
         data = _pad_front(plane.data.view(torch.uint8), front).view(plane.data.dtype)
-        return self.decode(data, plane.scale_inv, usage, dtype)[front[0]:, front[1]:].contiguous()
+        return Plane(data, plane.scale_inv), front
 
     # ---- transpose cache (TE's physical layout for transpose-derived recipes) -------------------
     def transpose_cache(self, plane: Plane) -> torch.Tensor:

@@ -29,15 +29,43 @@ import torch.distributed as dist
 
 from .. import _compat
 from ..formats.base import Plane, RecipeError
+from ..layout import shard_dim, splits_blocks
 from ..op_table import QUANTIZED_OPS
 from ..tensor import one_byte_as_uint8
 from .slicing import chunk_of, max_piece_grid_rows, piece_phase, scale_rows_of_pieces
 
 c10d = _compat.functional_collectives()
 
+def _refuse_dim1_gather_of_split_pieces(q, group_name: str) -> None:
+    """Raise, on every rank of the group alike (before anything is sent), for a gather along dim 1
+    of pieces that split blocks: DTensor gathers ``Shard(1)`` by stacking the pieces along dim 0 and
+    cutting the stack back into pieces, which cannot describe pieces at different block phases
+    along dim 1 (their scale grids may not even have one size). The decision uses the weight's own
+    layout (the same on every rank); a tensor without one was checked where it was sharded
+    (``placement.check_placements``)."""
+    layout = q.param_state.current_layout()
+    if layout is None:
+        return
+    mesh, placements, shape = layout
+    for i, pl in enumerate(placements):
+        if shard_dim(pl) != 1 or mesh.size(i) < 2 or mesh.get_group(i).group_name != group_name:
+            continue
+        # dim 0: this piece's rows (the same on every rank of a group sharding dim 1)
+        period = q.recipe.phase_period(0)
+        if splits_blocks(layout, 1, q.recipe.phase_period(1)) or q.phase[0] % period or q.shape[0] % period:
+            raise RecipeError(
+                f"{q.recipe.name}: full_tensor() / redistribute of an FP8 weight of shape {tuple(shape)} laid out "
+                f"{tuple(placements)} gathers mesh dim {i} along tensor dim 1, and its shards start inside scaling "
+                "blocks: a DTensor gather along dim 1 cannot carry pieces at different block phases. The whole "
+                "weight is exact through torch's get_model_state_dict(model, options=StateDictOptions("
+                "full_state_dict=True)) (plain uint8 / scale tensors), or gather the tensor-parallel dim of a "
+                "layout whose TP shards hold whole blocks.")
+
+
 @QUANTIZED_OPS.implements([c10d.all_gather_into_tensor.default])
 def _all_gather_into_tensor(func, args, kwargs):
     q, group_size, group_name = args[0], args[1], args[2]
+    _refuse_dim1_gather_of_split_pieces(q, group_name)
     planes = {}
 
     def gather(t: torch.Tensor) -> torch.Tensor:

@@ -190,11 +190,11 @@ def _copy_(func, args, kwargs):
             )
         plane.data.copy_(src_planes[usage].data)
         scale = src_planes[usage].scale_inv
-        if not dst.placed and plane.scale_inv.shape[0] > scale.shape[0]:
-            # An unplaced destination (FSDP2's padded shard) has room for any phase's scale rows: the
-            # source's go first, which is where placing it keeps them (tensor.py's note).
+        if not dst.placed and tuple(plane.scale_inv.shape) != tuple(scale.shape):
+            # An unplaced destination (FSDP2's padded shard) has room for any phase's scale rows and
+            # columns: the source's go first, which is where placing it keeps them (tensor.py's note).
             plane.scale_inv.zero_()
-            plane.scale_inv[: scale.shape[0]].copy_(scale)
+            plane.scale_inv[: scale.shape[0], : scale.shape[1]].copy_(scale)
             continue
         plane.scale_inv.copy_(scale)
     if dst.hp_init is not None and src.hp_init is not None:

@@ -2,11 +2,10 @@
 
 Every op works plane by plane and is driven by the recipe's block geometry, never by the recipe:
 slicing along a dim moves data rows and the scale rows of every block they touch. A piece may
-start inside a block along dim 0 (FSDP2 at any degree, uneven dims, TP x FSDP2): it then carries
-its *block phase* (``QuantizedTensor.phase``, see the note in ``formats/base.py``) and the scale
-of each block it shares with its neighbours, and concatenation keeps one copy of a shared block's
-scale. Along dim 1 a boundary inside a block is still refused (``RecipeError``), never a fall back
-to high precision. These are the ops FSDP2 (``split``/``chunk`` to shard, ``as_strided`` to
+start inside a block along either dim (FSDP2 at any degree, uneven dims, a ColwiseParallel /
+RowwiseParallel shard, TP x FSDP2): it then carries its *block phase* (``QuantizedTensor.phase``,
+see the note in ``formats/base.py``) and the scale of each block it shares with its neighbours,
+and concatenation keeps one copy of a shared block's scale. These are the ops FSDP2 (``split``/``chunk`` to shard, ``as_strided`` to
 un-pad) and DTensor (``split``, ``constant_pad_nd`` and ``cat`` for uneven shards) apply to a
 parameter.
 """
@@ -32,10 +31,12 @@ def shard_boundaries(size: int, num_chunks: int) -> list[int]:
 def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USAGES, what: str = "weight", *,
                     computes: bool = False) -> None:
     """Raise a :class:`RecipeError` if sharding ``dim`` over ``num_chunks`` ranks splits a block
-    where that is not supported: along dim 1, or along any dim for a shard that ``computes`` on its
-    own rows (a tensor-parallel shard: its GEMMs read whole blocks). A dim-0 shard that is gathered
-    before use (FSDP2, a DTensor) may split blocks, which keep one scale from the amax over all their
-    rows (see the note on block phase in ``formats/base.py``).
+    where that is not supported: along dim 1 of a shard that does not compute on its own elements
+    (a plain DTensor, which ``full_tensor()`` would have to gather along dim 1: not supported for
+    shards starting inside blocks). A dim-0 shard (FSDP2, a DTensor) and a tensor-parallel shard
+    (``computes``: ColwiseParallel along dim 0, RowwiseParallel along dim 1; its GEMMs read its
+    blocks at their phase) may split blocks, which keep one scale from the amax over all their
+    elements (see the note on block phase in ``formats/base.py``).
 
     Args:
         shape: the global shape.
@@ -48,7 +49,7 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
     Example:
         >>> check_shardable((64, 96), MXFP8(), 1, 2)   # raises: column 48 is inside a 1x32 block
     """
-    if dim % len(shape) == 0 and not computes:
+    if dim % len(shape) == 0 or computes:
         return
     align = recipe.shard_alignment(dim, usages)
     size = shape[dim]
@@ -61,18 +62,10 @@ def check_shardable(shape, recipe: Recipe, dim: int, num_chunks: int, usages=USA
         f"{recipe.name}: cannot shard dim {dim} of {what} shape {tuple(shape)} over {num_chunks} ranks: "
         f"torch's Shard({dim}) puts a boundary at index {bad[0]}, inside a block of {align} along dim {dim} "
         f"(blocks: {', '.join(f'{u} {recipe.block_shape(u)}' for u in usages)}); "
-        + ("a shard that computes on its own rows (tensor parallelism) holds whole blocks (FSDP2 may split them "
-           "further). " if computes else "shards may split blocks along dim 0 only. ")
+        + "a DTensor sharded along dim 1 is gathered along dim 1, which shards starting inside blocks do not "
+        "support (tensor parallelism may split them: dtensor_fp8.parallelize_module with RowwiseParallel). "
         + f"Fix: use a world size whose chunks are multiples of {align} (for this shape: {ok_worlds}), "
         f"or pad dim {dim} to {padded}, or keep this layer in high precision."
-    )
-
-
-def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, block: int) -> str:
-    return (
-        f"{q.recipe.name}: a boundary at index {boundary} of dim {dim} of a weight of shape "
-        f"{tuple(q.shape)} splits the {q.recipe.block_shape(usage)} blocks of its {usage} plane. "
-        f"Shard/slice boundaries along dim {dim} must be multiples of {block} (or the end of the dim)."
     )
 
 
@@ -80,11 +73,10 @@ def misaligned_message(q: QuantizedTensor, dim: int, boundary: int, usage: str, 
 def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> QuantizedTensor:
     """Rows/cols ``[start, end)`` of every plane, as views, with the scales of every block they touch.
 
-    Along dim 0 ``start`` may fall inside a block: the piece then starts at a block phase (see
-    ``formats/base.py``) and shares that block's scale with the piece before it. Along dim 1
-    ``start`` must be a block boundary. ``end`` may fall inside a block anywhere: the piece's last
-    block is then ragged, as the last block of any tensor whose size is not a block multiple is
-    (this is how padding is cut off after a gather).
+    ``start`` may fall inside a block: the piece then starts at a block phase along ``dim`` (see
+    ``formats/base.py``) and shares that block's scale with the piece before it. ``end`` may fall
+    inside a block anywhere: the piece's last block is then ragged, as the last block of any tensor
+    whose size is not a block multiple is (this is how padding is cut off after a gather).
 
     Args:
         q: the tensor.
@@ -116,8 +108,6 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
         if block is None:  # one scale for the whole dim: shared by every slice
             scale = plane.scale_inv
         else:
-            if dim != 0 and (phase + start) % block and start != size:
-                raise RecipeError(misaligned_message(q, dim, start, usage, block))
             first = (phase % block + start) // block
             last = -(-(phase % block + end) // block) if end > start else first
             scale = plane.scale_inv.narrow(dim, first, last - first)
@@ -163,8 +153,10 @@ def _split(func, args, kwargs):
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     size = q.shape[dim]
     sizes = [min(split_size, size - i) for i in range(0, size, split_size)] or [0]
-    if len(sizes) > 1:  # torch.chunk over ranks (FSDP2 / DTensor sharding): name the world size
-        check_shardable(tuple(q.shape), q.recipe, dim, -(-size // split_size), q.usages)
+    # Any chunking is exact (a piece starting inside a block carries its phase). A plain DTensor
+    # sharded along dim 1 is checked where it is made (placement.check_placements); a TP style's
+    # pieces by parallelize_module; a dim-1 gather of pieces that split blocks is refused in
+    # ops/collectives.py before it communicates.
     return _split_by_sizes(q, sizes, dim)
 
 
@@ -226,8 +218,9 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLA
     planes = {}
     for usage, plane in q.planes.items():
         block = q.recipe.block_shape(usage)
-        if phase is None:  # the most scale rows a piece of these rows touches, at any phase
-            grid = max(block.grid(tuple(shape), (p, 0)) for p in range(q.recipe.phase_period(0)))
+        if phase is None:  # the most scale rows / columns a piece of this shape touches, at any phase
+            grid = tuple(max(block.grid(tuple(shape), (p, p))[d] for p in range(q.recipe.phase_period(d)))
+                         for d in (0, 1))
         else:
             grid = block.grid(tuple(shape), phase)
         planes[usage] = Plane(
@@ -336,8 +329,6 @@ def _distinct_block_scales(first: QuantizedTensor, tensors, scales, usage: str, 
         if not n:
             continue
         if end % block and previous is not None:  # this piece starts inside the previous piece's last block
-            if dim != 0:
-                raise RecipeError(misaligned_message(first, dim, end, usage, block))
             shared, mine = previous.narrow(dim, previous.shape[dim] - 1, 1), scale.narrow(dim, 0, 1)
             if not torch.equal(one_byte_as_uint8(shared), one_byte_as_uint8(mine)):
                 raise RecipeError(

@@ -14,6 +14,7 @@
    from an FP32 master), same data and SGD: the losses agree to 2 % at every step and the final
    weights to 2 % (relative Frobenius norm).
 4. MXFP8 before sm_100: the emulated linear runs and says so once, with the reason.
+5. A piece of a weight starting inside its blocks (a tensor-parallel shard): padded operands.
 
 Needs CUDA; TE for 2 and 3 (skipped without it).
 """
@@ -275,3 +276,52 @@ def test_row_major_1x128_scale_is_refused_in_eager(name):
     with pytest.raises(SCALE_STRIDE_REFUSAL, match=SCALE_A_STRIDES):
         F.scaled_mm(a.data, b.data.t(), row_major, S.BlockWise1x128, sb, getattr(S, lb.kind),
                     output_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["block2d", "block1d", "mxfp8"])
+def test_a_piece_starting_inside_blocks_runs_fp8_gemms_on_padded_operands(name):
+    """A tensor-parallel piece of a weight that starts 64 rows (ColwiseParallel) or 64 columns
+    (RowwiseParallel) into its blocks, run with ``F.linear`` on the piece itself (gemm.py's note on
+    shards that start inside blocks): the weight operands are its FP8 bytes behind zero bytes up to
+    the block boundary (its scale grid as stored), the activation / gradient operands are the
+    recipes' bytes of the input padded with zeros, and every output is the product of those
+    operands with the padding's rows / columns cut off; the forward agrees with the emulated linear
+    on the piece to the FP8 activations' rounding."""
+    _fp8_gemms_here(name)
+    from dtensor_fp8.ops.slicing import slice_quantized
+
+    recipe = RECIPES[name]
+    w, x, dy = _inputs(5)
+    q = d.quantize(w, recipe)
+    for dim, start in ((0, 64), (1, 64)):
+        piece = slice_quantized(q, dim, start, q.shape[dim]).requires_grad_(True)
+        assert piece.phase[dim] == 64
+        xp = (x if dim == 0 else x[:, start:]).contiguous().requires_grad_(True)
+        dyp = (dy[:, start:] if dim == 0 else dy).contiguous()
+        with gemm.fp8_gemms("auto"), gemm.recording() as log:
+            y = F.linear(xp, piece)
+            y.backward(dyp)
+        assert [e["gemm"] for e in log] == ["fprop", "dgrad", "wgrad"], f"{name}: not the FP8 GEMMs"
+        ops = {e["gemm"]: e for e in log}
+        # 1x128 / MXFP8: one plane's blocks are split (rowwise along K, columnwise along M), the other's not
+        assert any(any(recipe.usage_phase(u, piece.phase)) for u in ("rowwise", "columnwise"))
+        for gm, usage in (("fprop", "rowwise"), ("dgrad", "columnwise")):
+            front = recipe.usage_phase(usage, piece.phase)
+            b = ops[gm]["b"].data.view(torch.uint8)
+            stored = piece.plane(usage).data.view(torch.uint8)
+            # the operand contracts dim 1 of its (rows, k) bytes: the plane, or its transpose for dgrad
+            padded = b if gm == "fprop" else b.t()
+            assert_bytes_equal(padded[front[0]:, front[1]:], stored, f"{name}/{gm}: the piece's bytes")
+            assert not padded[: front[0]].any() and not padded[:, : front[1]].any(), f"{name}/{gm}: zero padding"
+        fronts = {u: recipe.usage_phase(u, piece.phase) for u in ("rowwise", "columnwise")}
+        cuts = {"fprop": (0, fronts["rowwise"][0]), "dgrad": (0, fronts["columnwise"][1]), "wgrad": (0, 0)}
+        for gm, got in (("fprop", y), ("dgrad", xp.grad), ("wgrad", piece.grad)):
+            e = ops[gm]
+            ref = (_dequant(e["a"]) @ _dequant(e["b"]).t())[:, cuts[gm][1]:]
+            assert ref.shape == got.shape, (gm, ref.shape, got.shape)
+            err = ((got.float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"{name}/{gm} (dim {dim}): relative error {err:.2e} against the padded operands' product"
+        with gemm.fp8_gemms("off"):
+            emulated = F.linear(xp.detach(), piece.detach()).float()
+        err = ((y.detach().float() - emulated).norm() / emulated.norm()).item()
+        assert err < 5e-2, f"{name} (dim {dim}): FP8 forward off the emulated one by {err:.2e}"
