@@ -176,12 +176,6 @@ class PerExpert(Recipe):
         return (self.requantize_plane(hp, usage, cur, amax=a, state=s)
                 for hp, cur, a, s in zip(hps, currents, amaxes, states))
 
-    def transpose_cache(self, plane: Plane) -> torch.Tensor:
-        """Each expert's transposed ``(K, out)`` bytes, stacked: ``(E, K, out)`` (TE's layout of each
-        expert's 2-D weight)."""
-        k = plane.data.shape[-1]
-        return plane.data.reshape(-1, self.expert_rows, k).transpose(1, 2).contiguous()
-
 
 def per_expert(recipe: Recipe, shape) -> PerExpert:
     """The recipe that quantizes each expert of a 3-D weight of ``shape`` ``[E, out, in]`` as
