@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import groups
+from .layout import rows_per_index
 from .placement import local_tensor, shard_dim
 
 
@@ -80,7 +81,7 @@ def _split_start(layout: groups.Layout, block: int) -> int | None:
     ``None`` (a pure function of the layout, kept: each requantization asks it of every weight)."""
     if not groups.splits_blocks(layout, 0, block):
         return None
-    return groups.dim_pieces(layout, 0)[0][0]
+    return groups.dim_pieces(layout, 0)[0][0] * rows_per_index(layout)  # in plane rows (layout.py)
 
 
 def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
@@ -99,7 +100,8 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     start = _split_start(layout, block)
     if start is None:
         return None
-    return SplitBlocks(start // block, -(-layout.shape[0] // block), groups.weight_groups(p, lambda d: d == 0))
+    rows = layout.shape[0] * rows_per_index(layout)
+    return SplitBlocks(start // block, -(-rows // block), groups.weight_groups(p, lambda d: d == 0))
 
 
 class AmaxReduction:
@@ -137,7 +139,9 @@ class AmaxReduction:
         the recipe computes it from the shard alone."""
         out = [None] * len(self.jobs)
         for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
-            for i, amax in zip(idx, recipe.block_amaxes(usage, [hps[i] for i in idx]), strict=True):
+            # as the plane's matrix (a weight of more than two dims has its leading dims flattened)
+            matrices = [hps[i].reshape(self.jobs[i][0].planes[usage].data.shape) for i in idx]
+            for i, amax in zip(idx, recipe.block_amaxes(usage, matrices), strict=True):
                 out[i] = amax
         for i, split in self.split.items():
             q, usage = self.jobs[i]
@@ -197,7 +201,8 @@ class _RequantizePlan:
             plane = q.planes[usage]
             # Kept in the owner record from now on and updated in place by run().
             state = q.param_state.weight_state(q.recipe, usage, plane)
-            self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
+            # hp as the plane's matrix (a weight of more than two dims: its leading dims flattened)
+            self.batches.setdefault((q.recipe, usage), []).append((i, hp.reshape(plane.data.shape), plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in self.jobs))
 
     def run(self) -> None:

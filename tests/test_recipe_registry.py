@@ -47,7 +47,7 @@ def test_each_gemm_operand_has_torch_s_scale_layout(name):
 def test_every_class_and_name_is_registered_once():
     names = [r.name for instances in RECIPE_CLASSES.values() for r in instances]
     assert len(names) == len(set(names)) == len(RECIPES)
-    assert sorted(config._CLASSES) == sorted(c.__name__ for c in RECIPE_CLASSES)
+    assert sorted(config._CLASSES) == sorted(c.__name__ for c in (*RECIPE_CLASSES, *config._WRAPPERS))
     for cls, instances in RECIPE_CLASSES.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__}: a frozen dataclass"
         assert instances and all(type(r) is cls for r in instances)

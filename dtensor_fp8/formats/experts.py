@@ -74,6 +74,7 @@ class PerExpert(Recipe):
     expert_rows: int
 
     kernel_order = ()  # the reference path, batched over experts (see the note)
+    scaling_state_per_index = True  # delayed scaling: one amax history and scale per expert
 
     def __post_init__(self):
         if isinstance(self.base, PerExpert) or not isinstance(self.base, Recipe):

@@ -38,6 +38,9 @@ c10d = _compat.functional_collectives()
 @QUANTIZED_OPS.implements([c10d.all_gather_into_tensor.default])
 def _all_gather_into_tensor(func, args, kwargs):
     q, group_size, group_name = args[0], args[1], args[2]
+    if q.dim() > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
+        gathered = _all_gather_into_tensor(func, (q.as_matrix(), group_size, group_name), kwargs)
+        return gathered.with_shape([q.shape[0] * group_size, *q.shape[1:]])
     planes = {}
 
     def gather(t: torch.Tensor) -> torch.Tensor:
