@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import groups
-from .formats.base import Recipe, RecipeError
+from .formats.base import Recipe, RecipeError, as_matrix_shape
 from .formats.experts import per_expert
 from .lifecycle import BytesState
 from ._compat import dtensor_local
@@ -161,7 +161,8 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
     """
     shape = tuple(weight.shape)
     if weight.is_meta:
-        planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
+        # the planes are the matrix of the weight (leading dims flattened: tensor.py's note)
+        planes = recipe.empty_planes(as_matrix_shape(shape), ("rowwise", "columnwise"), weight.device)
         hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
         q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
         q.param_state.lifecycle.mark_built_on_meta()  # its init writes hp_init; finish_init_ makes the bytes

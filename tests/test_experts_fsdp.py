@@ -27,8 +27,14 @@ class Experts(nn.Module):
     """torchtitan's GroupedExperts in miniature: 3-D ``[E, out, in]`` weights, bf16 casts and the
     ``_grouped_mm`` seam (torchtitan/models/common/moe.py)."""
 
-    def __init__(self, experts=EXPERTS, dim=DIM, hidden=HIDDEN, seed=0):
+    def __init__(self, experts=EXPERTS, dim=DIM, hidden=HIDDEN, seed=0, meta=False):
         super().__init__()
+        if meta:  # a model larger than a rank: built on the meta device, initialized after sharding
+            with torch.device("meta"):
+                self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+                self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+                self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+            return
         g = torch.Generator().manual_seed(seed)
         spread = lambda n: torch.logspace(-1, 1, n).reshape(-1, 1, 1)  # noqa: E731  per-expert magnitudes
         # per element 2^0..2^-11 too: the row and column planes of MXFP8 / 1x128 then clearly differ
@@ -48,7 +54,8 @@ class Experts(nn.Module):
 
 
 def fp8_experts(recipe, **kw):
-    model = Experts(**kw).to(DEVICE)
+    model = Experts(**kw)
+    model = model if kw.get("meta") else model.to(DEVICE)
     d.quantize_module_(model, recipe, experts=lambda m, fqn: ("w1", "w2", "w3") if isinstance(m, Experts) else ())
     model._grouped_mm = types.MethodType(experts_grouped_mm, model)
     return model

@@ -106,6 +106,29 @@ def test_masters_requantized_per_expert(pools, name):
     pools[WORLD_SIZES[0]].run(_train_and_check, name)
 
 
+def _meta_build(name):
+    """The meta-device flow: quantize_module_ on meta, fully_shard, to_empty, the init writes each
+    rank's values, the optimizer makes the bytes: each rank's shard is then the per-expert quantize
+    of its init values (its masters), and a step trains."""
+    model = fp8_experts(d.RECIPES[name], meta=True)
+    assert all(_local(getattr(model, n)).bytes_pending for n in EXPERT_WEIGHTS)
+    fully_shard(model, mesh=init_device_mesh(DEVICE, (dist.get_world_size(),)), reshard_after_forward=True)
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(dist.get_rank())
+    with torch.no_grad():
+        for n in EXPERT_WEIGHTS:
+            torch.nn.init.trunc_normal_(getattr(model, n), std=0.02)
+    opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    _check_requantized(model, opt, name)
+    _steps(model, opt, 1, seed=0)
+    _check_requantized(model, opt, name)
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8"])
+def test_meta_build_makes_per_expert_bytes(pools, name):
+    pools[WORLD_SIZES[0]].run(_meta_build, name)
+
+
 def _full(model, opt):
     """Every FP8 plane (bytes) and master, gathered to full tensors on CPU."""
     out = {}
