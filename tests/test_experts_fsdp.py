@@ -125,6 +125,40 @@ def test_grouped_mm_refusals():
         grouped_mm(torch.randn(4, 32), q.transpose(-2, -1), offs)
     with pytest.raises(d.RecipeError, match="only the transpose of the last two dims"):
         q.transpose(0, 1)
+    # out rows (Shard(1)) of an expert weight are not a contiguous piece of its flattened planes: refused
+    with pytest.raises(d.RecipeError, match=r"slice along dim 1 .*Shard the experts \(dim 0\)"):
+        torch.chunk(q, 2, dim=1)
+
+
+def _dtensor_experts(name):
+    """Expert parallelism's layout as a DTensor: Shard(0) over the experts, no communication to
+    shard; each rank holds whole experts, and a one-direction gather is the full weight's planes."""
+    from torch.distributed.tensor import Shard
+
+    recipe = d.RECIPES[name]
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    w = Experts().w1.detach()
+    full = d.quantize(w, d.per_expert(recipe, w.shape))
+    dt = d.distribute_quantized(full, init_device_mesh(DEVICE, (world,)), [Shard(0)])
+    local = dt.to_local()
+    per = EXPERTS // world
+    assert tuple(local.shape) == (per, HIDDEN, DIM) and local.phase == (0, 0)
+    for usage, plane in local.planes.items():  # this rank's experts' own bytes and scales
+        mine = d.quantize(w[rank * per:(rank + 1) * per], d.per_expert(recipe, (per, HIDDEN, DIM))).plane(usage)
+        assert torch.equal(plane.data.view(torch.uint8), mine.data.view(torch.uint8)), usage
+        assert torch.equal(plane.scale_inv.view(torch.uint8), mine.scale_inv.contiguous().view(torch.uint8)), usage
+    for usage in local.usages:
+        gathered = d.for_usage(dt, usage).full_tensor()
+        assert isinstance(gathered, d.QuantizedTensor) and tuple(gathered.shape) == tuple(w.shape)
+        want = full.plane(usage)
+        got = gathered.plane(usage)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), usage
+        assert torch.equal(got.scale_inv.view(torch.uint8), want.scale_inv.view(torch.uint8)), usage
+
+
+@pytest.mark.parametrize("name", ["delayed", "mxfp8", "blockwise2d"])
+def test_dtensor_shard_experts(pools, name):
+    pools[WORLD_SIZES[-1]].run(_dtensor_experts, name)
 
 
 def _fsdp_experts(name):
