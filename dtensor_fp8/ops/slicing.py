@@ -209,8 +209,10 @@ def _as_strided(func, args, kwargs):
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0) or 0
     if q.dim() > 2 and len(size) == q.dim() and list(size[1:]) == list(q.shape[1:]):  # leading indices of dim 0
         f, cols = q.rows_per_index, q.shape[-1]
-        if offset == 0 and stride == [f * cols] + list(torch.empty(0).new_empty(size[1:]).stride()) \
-                and size[0] <= q.shape[0]:
+        contiguous = [1]
+        for n in reversed(size[1:]):
+            contiguous.insert(0, contiguous[0] * n)  # row-major strides of (size[0], *size[1:])
+        if offset == 0 and stride == contiguous and size[0] <= q.shape[0]:
             return q.rebuild() if size[0] == q.shape[0] else slice_quantized(q, 0, 0, size[0])
     contiguous = [size[1], 1] if len(size) == 2 else None
     if len(size) != 2 or offset != 0 or stride != contiguous or size[1] != q.shape[1] or size[0] > q.shape[0]:
