@@ -5,6 +5,7 @@ over the experts (Shard(0)) on real gloo ranks, one direction per gather, and th
 from __future__ import annotations
 
 import types
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,22 @@ def test_grouped_mm_one_process():
         assert model.w1.grad.shape == (EXPERTS, HIDDEN, DIM) and not isinstance(model.w1.grad, d.QuantizedTensor)
         # the weight gradient of w2 is dy^T h per expert
         assert model.w2.grad.abs().sum() > 0 and torch.isfinite(model.w1.grad).all()
+
+
+def test_grouped_mm_says_it_is_emulated_once():
+    """Where FP8 GEMMs are expected (forced on here on the CPU) the emulated grouped GEMM warns, once."""
+    from dtensor_fp8 import gemm
+    from dtensor_fp8.grouped_mm import _warned
+
+    q = d.quantize(torch.randn(2, 64, 64), d.per_expert(d.Blockwise(block_dims=1), (2, 64, 64)))
+    offs = torch.tensor([3, 5], dtype=torch.int32)
+    _warned.discard(q.recipe.name)
+    with gemm.fp8_gemms("on"):
+        with pytest.warns(UserWarning, match="grouped GEMM of a blockwise1d-per-expert expert weight .* emulated"):
+            grouped_mm(torch.randn(5, 64), q.transpose(-2, -1), offs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            grouped_mm(torch.randn(5, 64), q.transpose(-2, -1), offs)
 
 
 def test_grouped_mm_refusals():
