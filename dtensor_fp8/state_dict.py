@@ -44,7 +44,7 @@ import contextvars
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ._compat import dtensor_local
 from .formats.base import Plane, RecipeError
@@ -232,11 +232,18 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     own = q.param_state.ensure_operand_states(q.recipe, q.device)
     weight = {usage: q.param_state.weight_state(q.recipe, usage, plane) for usage, plane in q.planes.items()}
 
-    def saved(states):
-        return {name: {k: local_tensor(entry[f"{name}_{k}"]).to(v.device) for k, v in state.items()}
+    def saved(states, per_index=False):
+        def value(key, like_):
+            v = local_tensor(entry[key]).to(like_.device)
+            if per_index and full and isinstance(param, DTensor):  # a whole per-expert state: this rank's rows
+                placements = [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
+                v = distribute_tensor(v, param.device_mesh, placements, src_data_rank=None).to_local()
+            return v
+        return {name: {k: value(f"{name}_{k}", v) for k, v in state.items()}
                 for name, state in states.items() if state is not None and all(f"{name}_{k}" in entry for k in state)}
 
-    loaded_state = FP8ParamState(operand_scaling=saved(own), weight_scaling=saved(weight))
+    loaded_state = FP8ParamState(operand_scaling=saved(own),
+                                 weight_scaling=saved(weight, per_index=q.recipe.scaling_state_per_index))
     loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
