@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 
 from torchtitan.models.common.moe import GroupedExperts
 
+from ..formats import RECIPES
 from ..formats.base import RecipeError
 from ..formats.experts import per_expert
 from ..grouped_mm import grouped_mm
@@ -50,8 +51,6 @@ def fp8_grouped_experts_cls(base: type) -> type:
         >>> with torch.device("meta"):
         ...     experts = cls.Config(dim=256, hidden_dim=256, num_experts=8, recipe="mxfp8").build()
     """
-    from .torchtitan import _recipe
-
     class FP8GroupedExperts(base):  # type: ignore[valid-type, misc]
         @dataclass(kw_only=True, slots=True)
         class Config(base.Config):  # type: ignore[misc, name-defined]
@@ -61,7 +60,9 @@ def fp8_grouped_experts_cls(base: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             names = _expert_weights(self)
-            quantize_module_(self, _recipe(config.recipe), filter_fn=lambda m, fqn: False,
+            if config.recipe not in RECIPES:
+                raise RecipeError(f"FP8ParameterConverter: unknown recipe {config.recipe!r}; choose one of {sorted(RECIPES)}")
+            quantize_module_(self, RECIPES[config.recipe], filter_fn=lambda m, fqn: False,
                              experts=lambda m, fqn: names if m is self else ())
 
         def _grouped_mm(self, *, A, B_t, offs):
