@@ -22,7 +22,7 @@ from dtensor_fp8._compat import dtensor_local  # noqa: E402
 from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter, master_weight_adamw  # noqa: E402
 
 SEQ, BATCH, VOCAB = 32, 2, 2048
-MOE_LAYERS = 5  # the debug model: 6 layers, the first dense
+MOE_LAYERS = 2  # of the debug model's 5 (6 layers, the first dense): the test keeps 3 layers
 
 
 def _config(recipe: str | None, targets: str = "experts"):
@@ -33,6 +33,7 @@ def _config(recipe: str | None, targets: str = "experts"):
     converters = None if recipe is None else [FP8ParameterConverter.Config(recipe=recipe, targets=targets,
                                                                            filter_fqns=["lm_head", "router"])]
     config = model_registry("debugmodel", converters=converters).model
+    config.layers = config.layers[:1 + MOE_LAYERS]  # the dense first layer and MOE_LAYERS MoE layers (test time)
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=False)
