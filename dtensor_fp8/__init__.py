@@ -17,7 +17,9 @@ from .formats import (
     CurrentScaling,
     DelayedScaling,
     MXFP8,
+    PerExpert,
     Plane,
+    per_expert,
     RECIPES,
     RecipeError,
 )
@@ -42,7 +44,7 @@ from .ops import QuantizedTransposeView
 __version__ = "0.1.0"
 
 __all__ = [
-    "Blockwise", "CheckpointError", "COLUMNWISE", "Recipe", "CurrentScaling", "DelayedScaling", "MXFP8", "Plane",
+    "Blockwise", "CheckpointError", "COLUMNWISE", "Recipe", "CurrentScaling", "DelayedScaling", "MXFP8", "PerExpert", "per_expert", "Plane",
     "QuantizedTensor", "RECIPES", "ROWWISE", "RecipeError", "check_shardable", "distribute", "distribute_quantized",
     "describe", "export_fp8_hf", "export_hp_state_dict", "high_precision_state_dict", "latest_checkpoint", "load_checkpoint", "load_hp_checkpoint", "load_hp_state_dict", "save_checkpoint",
     "finish_init_", "for_usage", "gather_both_usages", "MasterWeightOptimizer", "quantize", "quantize_module_",

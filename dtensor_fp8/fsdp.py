@@ -101,7 +101,7 @@ from typing import Protocol
 import torch
 
 from . import _compat
-from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError
 from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, join_side_outputs, pack,
                            planes_from_outputs, served_usages, split_side_inputs, unpack)
 from .fsdp_completion import GatheredWeight
@@ -312,23 +312,28 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     plans = record.plans
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
+    # A weight of more than two dims (an [experts, out, in] MoE weight) is gathered as the matrix its
+    # planes hold, dim 0's indices flattened into rows (tensor.py's note on tensors of more than two dims).
+    matrix, flat = self.as_matrix(), _flat_size(self, outer_size, mesh.size())
     if entry is None:
         world = mesh.size()
-        entry = plans[key] = PlanEntry(gather_plan(self, key[1], world, usages, mesh.get_group() if world > 1 else None))
+        entry = plans[key] = PlanEntry(gather_plan(matrix, flat, world, usages, mesh.get_group() if world > 1 else None))
         if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
-            entry.last = _shard_view_gather(self, entry.plan, usages, key[1])
+            entry.last = _shard_view_gather(matrix, entry.plan, usages, flat)
+            entry.last = _with_logical_shape(entry.last, self, outer_size)
     plan = entry.plan
     if entry.last is not None and (plan.shard_view or self.holds(entry.last_planes)):
         # The same plane tensors as last time (an optimizer step rewrites them in place): the
         # inputs are views of the same bytes and the metadata is unchanged.
         return entry.last
-    inputs, shared_scales, local_planes = gather_inputs(self, plan)
+    inputs, shared_scales, local_planes = gather_inputs(matrix, plan)
     inputs, side_inputs = split_side_inputs(inputs, plan)
     metadata = GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
                                shared_scales=shared_scales, padded_rows=plan.padded_rows, world=plan.world,
-                               view=plan.view, orig_rows=outer_size[0], cols=outer_size[1],
+                               view=plan.view, orig_rows=flat[0], cols=flat[1],
                                fp8_dtypes=plan.fp8_dtypes, process_group=plan.process_group, phase=plan.phase,
-                               scale_routes=plan.scale_routes, side_inputs=side_inputs)
+                               scale_routes=plan.scale_routes, side_inputs=side_inputs,
+                               logical_shape=None if self.dim() == 2 else tuple(outer_size))
     if plan.world == 1 and len(inputs) > 1:  # FSDP2 copies only the first input of a one-rank "gather"
         packed, layout = pack(inputs)
         return (packed,), dataclasses.replace(metadata, packed_layout=layout)
@@ -338,6 +343,28 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         # Nothing was copied (no padding, no packing, no scale input): reusable while the planes are.
         entry.last, entry.last_planes = result, self.plane_tensors()
     return result
+
+
+def _flat_size(q: QuantizedTensor, outer_size, world: int) -> tuple[int, int]:
+    """``outer_size`` as the matrix the planes hold (rows flattened; tensor.py's note), after checking
+    that FSDP2's chunks of dim 0 are whole indices of it on every rank (for an expert weight: whole
+    experts)."""
+    if len(outer_size) == 2:
+        return tuple(outer_size)
+    if outer_size[0] % world:
+        raise RecipeError(
+            f"{q.recipe.name}: fully_shard over {world} ranks of an FP8 weight of shape {tuple(outer_size)}: dim 0 "
+            f"({outer_size[0]}) is not a multiple of the world size, and uneven shards of a weight of more than two "
+            "dims are not supported yet. Fix: use a world size dividing dim 0 (for experts: the expert count), or "
+            "shard the experts with expert parallelism first.")
+    return outer_size[0] * q.rows_per_index, outer_size[-1]
+
+
+def _with_logical_shape(result, q: QuantizedTensor, outer_size):
+    if q.dim() == 2:
+        return result
+    inputs, metadata = result
+    return inputs, dataclasses.replace(metadata, logical_shape=tuple(outer_size))
 
 
 def _shared_scale(record, out, usage: str, live: torch.Tensor) -> torch.Tensor:
@@ -389,6 +416,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
         if metadata.view is not None:
             return metadata.view.from_shard(self, metadata.gathered, param_dtype, out)
         return _view_of_shard(self, usages, param_dtype, out, backward_only)
+    logical = metadata.logical_shape  # a weight of more than two dims: its planes' rows are flattened
     if metadata.packed_layout is not None:
         outputs = unpack(outputs[0], metadata.packed_layout)
     outputs = join_side_outputs(outputs, metadata)
@@ -417,7 +445,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
-        rows = out_local.shape[0]
+        rows = out_local.shape[0] * out_local.rows_per_index
         trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
         out_local.repoint_(trimmed.planes, trimmed.usages)
         if completes:
@@ -426,6 +454,8 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
             out_local.create_transpose_cache()
         _keep_shared_scales(record, planes, shared_scales)
         return
+    if logical is not None:  # the padded weight with its leading dims back (FSDP2 un-pads it with as_strided)
+        gathered = gathered.with_shape((full_rows // _numel(logical[1:-1]), *logical[1:]))
     if completes:  # before FSDP2 makes its aliases of ``gathered``, so that they hold the plane too
         record.gathered.complete_(gathered, ROWWISE)
     if backward_only:
@@ -434,6 +464,13 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
     # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
     # with them is the owner record's: a completion adds its buffers there.
     return gathered, record.inner_tensors
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 class _BoundPreAllGather:

@@ -78,6 +78,7 @@ class GatherMetadata:
     phase: tuple = (0, 0)  # block phase of the gathered weight (of rank 0's shard; see the note at the top)
     scale_routes: dict | None = None  # sent plane -> its scales' ScaleRoute (GatherPlan.scale_routes)
     side_inputs: tuple = ()  # uneven shards: the scale inputs, gathered beside FSDP2's all-gather (see the note)
+    logical_shape: tuple | None = None  # a weight of more than two dims (tensor.py's note): its shape; rows are flattened
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

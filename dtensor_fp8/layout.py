@@ -75,7 +75,24 @@ def splits_blocks(layout: Layout | None, dim: int, block: int | None) -> bool:
     """
     if layout is None or block is None or not any(shard_dim(pl) == dim for pl in layout.placements):
         return False
-    return any(start % block for start, stop in dim_pieces(layout, dim)[1] if stop > start)
+    # along dim 0 of a weight of more than two dims, an index is rows_per_index(layout) plane rows
+    f = rows_per_index(layout) if dim == 0 else 1
+    return any((start * f) % block for start, stop in dim_pieces(layout, dim)[1] if stop > start)
 
 
-__all__ = ["Layout", "shard_dim", "dim_pieces", "splits_blocks"]
+def rows_per_index(layout: Layout) -> int:
+    """Plane rows per index along dim 0 of the weight ``layout`` lays out: its planes are matrices
+    with the leading dims flattened into rows (``tensor.py``'s note on tensors of more than two
+    dims), so 1 for a 2-D weight and ``out`` for an ``[experts, out, in]`` one.
+
+    Example:
+        >>> rows_per_index(layout_of(experts.w1))   # w1: [8, 256, 128]
+        256
+    """
+    n = 1
+    for s in layout.shape[1:-1]:
+        n *= s
+    return n
+
+
+__all__ = ["Layout", "shard_dim", "dim_pieces", "splits_blocks", "rows_per_index"]

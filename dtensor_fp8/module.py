@@ -18,7 +18,7 @@ and one weight's transient.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from . import groups
 from .agreement import gather_findings
-from .formats.base import Recipe, RecipeError
+from .formats.base import Recipe, RecipeError, as_matrix_shape
+from .formats.experts import per_expert
 from .lifecycle import BytesState
 from ._compat import dtensor_local
 from .placement import local_tensor
@@ -43,6 +44,7 @@ def quantize_module_(
     *,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     keep_hp_init: bool = True,
+    experts: Callable[[nn.Module, str], Iterable[str]] | None = None,
 ) -> nn.Module:
     """Replace the weights of ``nn.Linear`` layers by FP8 parameters, in place, all or nothing.
 
@@ -63,6 +65,12 @@ def quantize_module_(
         keep_hp_init: an initialized model: keep a CPU copy of each high-precision weight for the
             masters (sharded with the weight; the optimizer takes it). A meta model always keeps
             its values (they are what the FP8 bytes are made from).
+        experts: ``(module, fqn) -> names`` of the module's own 3-D MoE expert weights
+            ``[experts, out, in]`` to convert too, each quantized per expert
+            (``formats/experts.py``: ``per_expert(recipe, shape)``), e.g.
+            ``lambda m, fqn: ("w1", "w2", "w3") if type(m).__name__ == "GroupedExperts" else ()``.
+            ``filter_fn`` selects ``nn.Linear`` layers only; ``filter_fn=lambda m, fqn: False``
+            converts the experts alone.
 
     Returns:
         ``module``.
@@ -79,36 +87,54 @@ def quantize_module_(
     places = _parameter_places(module)
     targets, problems, selected = [], [], 0
     for fqn, sub in module.named_modules():
-        if not isinstance(sub, nn.Linear) or (filter_fn is not None and not filter_fn(sub, fqn)):
-            continue
-        name = f"{fqn}.weight" if fqn else "weight"
-        selected += 1
-        current = local_tensor(sub.weight)
-        if isinstance(current, QuantizedTensor):
-            if current.recipe != recipe:
-                problems.append(
-                    f"{name} is already an FP8 parameter in {current.recipe!r}: switch recipes through high precision "
-                    "(hp = dtensor_fp8.export_hp_state_dict(model, torch.float32, optimizer=opt); build the model anew, "
-                    f"quantize_module_(new_model, {recipe!r}); dtensor_fp8.load_hp_state_dict(new_model, hp, "
-                    "optimizer=new_opt))")
-            continue
-        problem = _why_not_quantizable(name, sub.weight, recipe, places.get(id(sub.weight), [name]))
-        if problem:
-            problems.append(problem)
-        else:
-            targets.append((name, sub))
+        wanted = []
+        if isinstance(sub, nn.Linear) and (filter_fn is None or filter_fn(sub, fqn)):
+            wanted.append(("weight", recipe))
+        for attr in (() if experts is None else experts(sub, fqn)):
+            weight = getattr(sub, attr, None)
+            if not isinstance(weight, nn.Parameter):
+                raise RecipeError(f"quantize_module_: experts named {attr!r} of {fqn or 'the model'} "
+                                  f"({type(sub).__name__}), which is not a parameter of that module; name its own "
+                                  "3-D expert weights")
+            try:  # each expert's matrix is a weight of its own (formats/experts.py)
+                wanted.append((attr, per_expert(recipe, weight.shape)))
+            except RecipeError as err:
+                wanted.append((attr, err))
+        for attr, target_recipe in wanted:
+            name = f"{fqn}.{attr}" if fqn else attr
+            selected += 1
+            if isinstance(target_recipe, RecipeError):
+                problems.append(f"{name}: {target_recipe}")
+                continue
+            weight = getattr(sub, attr)
+            current = local_tensor(weight)
+            if isinstance(current, QuantizedTensor):
+                if current.recipe != target_recipe:
+                    problems.append(
+                        f"{name} is already an FP8 parameter in {current.recipe!r}: switch recipes through high "
+                        "precision (hp = dtensor_fp8.export_hp_state_dict(model, torch.float32, optimizer=opt); build "
+                        f"the model anew, quantize_module_(new_model, {recipe!r}); dtensor_fp8.load_hp_state_dict("
+                        "new_model, hp, optimizer=new_opt))")
+                continue
+            problem = _why_not_quantizable(name, weight, target_recipe, places.get(id(weight), [name]))
+            if problem:
+                problems.append(problem)
+            else:
+                targets.append((sub, attr, target_recipe))
     if problems:
         raise RecipeError(
-            f"quantize_module_: nothing was converted; {len(problems)} of {selected} selected Linear weights cannot be "
+            f"quantize_module_: nothing was converted; {len(problems)} of {selected} selected weights cannot be "
             "quantized with "
             f"{recipe!r}:\n  " + "\n  ".join(problems) +
             "\nFix those weights, or leave their layers out with filter_fn=lambda module, fqn: ... (they then stay "
             "in high precision)."
         )
-    converted = [(sub, fp8_parameter_values(sub.weight.detach(), recipe, keep_hp_init)) for _, sub in targets]
-    for sub, q in converted:  # nothing can fail from here on
-        sub.weight = nn.Parameter(q, requires_grad=sub.weight.requires_grad)
-        q.param_state.home = (weakref.ref(sub), "weight")  # where writes find its DTensor (groups.py)
+    converted = [(sub, attr, fp8_parameter_values(getattr(sub, attr).detach(), r, keep_hp_init))
+                 for sub, attr, r in targets]
+    for sub, attr, q in converted:  # nothing can fail from here on
+        setattr(sub, attr, nn.Parameter(q, requires_grad=getattr(sub, attr).requires_grad))
+        q.param_state.home = (weakref.ref(sub), attr)  # where writes find its DTensor (groups.py)
+    for sub in {id(sub): sub for sub, _, _ in converted}.values():  # once per module (experts: several weights)
         register_state_dict_hooks(sub)
     if converted:
         # The model's to_empty checks every FP8 weight before emptying anything (torch's empties
@@ -136,7 +162,8 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
     """
     shape = tuple(weight.shape)
     if weight.is_meta:
-        planes = recipe.empty_planes(shape, ("rowwise", "columnwise"), weight.device)
+        # the planes are the matrix of the weight (leading dims flattened: tensor.py's note)
+        planes = recipe.empty_planes(as_matrix_shape(shape), ("rowwise", "columnwise"), weight.device)
         hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
         q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
         q.param_state.lifecycle.mark_built_on_meta()  # its init writes hp_init; finish_init_ makes the bytes

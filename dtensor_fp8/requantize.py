@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import groups
+from .layout import rows_per_index
 from .placement import local_tensor, shard_dim
 
 
@@ -84,11 +85,13 @@ class SplitBlocks(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def _split_starts(layout: groups.Layout, blocks: tuple) -> tuple | None:
-    """Per dim, this rank's first element if ``layout``'s shards split that dim's ``blocks[dim]``-long
-    blocks (else ``None``); ``None`` when no dim is split (a pure function of the layout, kept: each
-    requantization asks it of every weight)."""
-    starts = tuple(groups.dim_pieces(layout, d)[0][0] if groups.splits_blocks(layout, d, b) else None
-                   for d, b in enumerate(blocks))
+    """Per plane dim (rows, columns), this rank's first plane row / column if ``layout``'s shards
+    split that dim's ``blocks[dim]``-long blocks (else ``None``); ``None`` when no dim is split (a
+    pure function of the layout, kept: each requantization asks it of every weight). A weight of
+    more than two dims has its leading dims flattened into plane rows (layout.py)."""
+    dims = (0, len(layout.shape) - 1)
+    starts = tuple(groups.dim_pieces(layout, d)[0][0] * (rows_per_index(layout) if d == 0 else 1)
+                   if groups.splits_blocks(layout, d, b) else None for d, b in zip(dims, blocks))
     return None if all(s is None for s in starts) else starts
 
 
@@ -107,9 +110,11 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     starts = _split_starts(layout, (block.extent(0), block.extent(1)))
     if starts is None:
         return None
-    split = [d for d, s in enumerate(starts) if s is not None]
-    return SplitBlocks(tuple(0 if s is None else s // block.extent(d) for d, s in enumerate(starts)),
-                       tuple(None if s is None else -(-layout.shape[d] // block.extent(d)) for d, s in enumerate(starts)),
+    dims = (0, len(layout.shape) - 1)  # the weight's dims holding the plane's rows and columns
+    extents = (layout.shape[0] * rows_per_index(layout), layout.shape[-1])
+    split = {dims[i] for i, s in enumerate(starts) if s is not None}
+    return SplitBlocks(tuple(0 if s is None else s // block.extent(i) for i, s in enumerate(starts)),
+                       tuple(None if s is None else -(-extents[i] // block.extent(i)) for i, s in enumerate(starts)),
                        groups.weight_groups(p, lambda d: d in split))
 
 
@@ -148,7 +153,9 @@ class AmaxReduction:
         the recipe computes it from the shard alone."""
         out = [None] * len(self.jobs)
         for (recipe, usage), idx in self.spanning.items():  # per recipe and plane, in one batch
-            for i, amax in zip(idx, recipe.block_amaxes(usage, [hps[i] for i in idx]), strict=True):
+            # as the plane's matrix (a weight of more than two dims has its leading dims flattened)
+            matrices = [hps[i].reshape(self.jobs[i][0].planes[usage].data.shape) for i in idx]
+            for i, amax in zip(idx, recipe.block_amaxes(usage, matrices), strict=True):
                 out[i] = amax
         for i, split in self.split.items():
             q, usage = self.jobs[i]
@@ -208,7 +215,8 @@ class _RequantizePlan:
             plane = q.planes[usage]
             # Kept in the owner record from now on and updated in place by run().
             state = q.param_state.weight_state(q.recipe, usage, plane)
-            self.batches.setdefault((q.recipe, usage), []).append((i, hp, plane, state))
+            # hp as the plane's matrix (a weight of more than two dims: its leading dims flattened)
+            self.batches.setdefault((q.recipe, usage), []).append((i, hp.reshape(plane.data.shape), plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in self.jobs))
 
     def run(self) -> None:

@@ -39,11 +39,12 @@ failing load leaves the model untouched.
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
@@ -65,12 +66,49 @@ _EXPORT: contextvars.ContextVar[tuple | object | None] = contextvars.ContextVar(
 _TARGETS = object()
 
 
-def _scale_placements(param: DTensor, recipe, usage):
-    """Scales follow the data's sharding, except along a dim one block spans (then replicated)."""
+def _scale_placements(param: DTensor, recipe, usage, placements=None):
+    """Scales follow the data's sharding (``placements``: the planes', default ``param``'s), except
+    along a dim one block spans (then replicated)."""
     return [
         Replicate() if shard_dim(p) is not None and recipe.spans_dim(usage, shard_dim(p)) else p
-        for p in param.placements
+        for p in (param.placements if placements is None else placements)
     ]
+
+
+def _matrix_layout(param: DTensor):
+    """``(placements, global shape)`` of the planes of ``param``: matrices whose rows are its leading
+    dims flattened (``tensor.py``'s note on tensors of more than two dims), sharded where ``param`` is
+    sharded along its first or last dim; ``param``'s own for a 2-D weight."""
+    if param.dim() == 2:
+        return list(param.placements), tuple(param.shape)
+    last = param.dim() - 1
+    placements = []
+    for pl in param.placements:
+        dim = shard_dim(pl)
+        if dim is None:
+            placements.append(pl)
+        elif dim in (0, last) and type(pl) is Shard:
+            placements.append(Shard(0 if dim == 0 else 1))
+        else:
+            raise RecipeError(
+                f"{local_tensor(param).recipe.name}: an FP8 weight of shape {tuple(param.shape)} sharded as "
+                f"{tuple(param.placements)}: its planes flatten the leading dims into rows, so only Shard(0) (the "
+                f"experts of an expert weight) and Shard({last}) can be saved. Shard dim 0 instead.")
+    return placements, (param.numel() // param.shape[-1], param.shape[-1])
+
+
+def _sharded_like_dim0(param: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` (one row per index of ``param``'s local dim 0) as a DTensor sharded like that dim."""
+    placements = [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
+    shape = (param.shape[0], *local.shape[1:])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def _like_matrix(param: DTensor, local: torch.Tensor, placements, shape) -> DTensor:
+    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=(shape[1], 1))
 
 
 def plane_entries(param: torch.Tensor) -> dict:
@@ -90,15 +128,19 @@ def plane_entries(param: torch.Tensor) -> dict:
     record.ensure_operand_states(q.recipe, q.device)
     for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
         record.weight_state(q.recipe, usage, plane)
+    per_index = set(record.weight_entries()) if q.recipe.scaling_state_per_index and isinstance(param, DTensor) else ()
     for name, value in record.entries().items():  # the owner saves its scaling states, once
-        entry[name] = value.detach().clone()
+        value = value.detach().clone()
+        # a state with a row per index of dim 0 (per expert) is sharded as the weight's dim 0 is
+        entry[name] = _sharded_like_dim0(param, value) if name in per_index else value
     for usage, plane in q.planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
         if isinstance(param, DTensor):
-            grid = q.recipe.block_shape(usage).grid(tuple(param.shape))
-            data = like(param, data)
-            placements = _scale_placements(param, q.recipe, usage)
+            matrix_placements, matrix = _matrix_layout(param)
+            grid = q.recipe.block_shape(usage).grid(matrix)
+            data = _like_matrix(param, data, matrix_placements, matrix)
+            placements = _scale_placements(param, q.recipe, usage, matrix_placements)
             split = split_blocks(param, usage)
             if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
                 placements = [Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
@@ -166,6 +208,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     check_saved_recipe(name, entry.get(RECIPE_KEY), q.recipe)
     full = isinstance(param, DTensor) and _holds_full_planes(entry, param)
     shape = tuple(param.shape) if full else tuple(q.shape)
+    matrix = (math.prod(shape[:-1]), shape[-1])  # the planes' shape (leading dims flattened)
     planes = {}
     for usage, plane in q.planes.items():
         missing = [k for k in (plane_key(usage, "data"), plane_key(usage, "scale_inv")) if k not in entry]
@@ -177,7 +220,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
             scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, tuple(plane.scale_inv.shape))
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
             scale = split.touched(scale, tuple(plane.scale_inv.shape))  # a plain tensor of the whole grid
-        want = (shape, q.recipe.block_shape(usage).grid(shape)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
+        want = (matrix, q.recipe.block_shape(usage).grid(matrix)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
                 f"{name}: {usage} plane of shape {tuple(data.shape)} / scales {tuple(scale.shape)} in the checkpoint, "
@@ -190,11 +233,18 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     own = q.param_state.ensure_operand_states(q.recipe, q.device)
     weight = {usage: q.param_state.weight_state(q.recipe, usage, plane) for usage, plane in q.planes.items()}
 
-    def saved(states):
-        return {name: {k: local_tensor(entry[f"{name}_{k}"]).to(v.device) for k, v in state.items()}
+    def saved(states, per_index=False):
+        def value(key, like_):
+            v = local_tensor(entry[key]).to(like_.device)
+            if per_index and full and isinstance(param, DTensor):  # a whole per-expert state: this rank's rows
+                placements = [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
+                v = distribute_tensor(v, param.device_mesh, placements, src_data_rank=None).to_local()
+            return v
+        return {name: {k: value(f"{name}_{k}", v) for k, v in state.items()}
                 for name, state in states.items() if state is not None and all(f"{name}_{k}" in entry for k in state)}
 
-    loaded_state = FP8ParamState(operand_scaling=saved(own), weight_scaling=saved(weight))
+    loaded_state = FP8ParamState(operand_scaling=saved(own),
+                                 weight_scaling=saved(weight, per_index=q.recipe.scaling_state_per_index))
     loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
@@ -227,7 +277,8 @@ def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
     data = entry.get(plane_key(next(iter(local_tensor(param).planes)), "data"))
-    return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == tuple(param.shape)
+    matrix = (math.prod(param.shape[:-1]), param.shape[-1])
+    return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == matrix
             and tuple(param.shape) != tuple(dtensor_local(param).shape))
 
 

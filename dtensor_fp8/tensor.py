@@ -205,13 +205,57 @@ class QuantizedTensor(torch.Tensor):
         layout = self._param_state.current_layout()
         if layout is None:
             return False
-        pieces = [dim_pieces(layout, d)[0] for d in (0, 1)]
+        pieces = [dim_pieces(layout, d)[0] for d in (0, self.dim() - 1)]
         if pieces[0][1] - pieces[0][0] > self.shape[0]:
             # the layout of a parameter FSDP2 is still sharding (a TP shard's, before fully_shard made
             # its own): this tensor is a piece of that parameter's shard, not yet placed by it
             return False
-        self.place_(tuple(start for start, _ in pieces))
+        # the phase is in the planes' (flattened) rows: an index along dim 0 is rows_per_index rows
+        self.place_((pieces[0][0] * self.rows_per_index, pieces[1][0]))
         return True
+
+    # [Note: tensors of more than two dims]
+    # The planes of a tensor of shape (d0, ..., dn) are matrices (d0 * ... * d(n-1), dn): its leading
+    # dims flattened into rows, as TE flattens them (a 3-D MoE expert weight [E, out, in], quantized per
+    # expert: formats/experts.py). An index along dim 0 is then ``rows_per_index`` plane rows, and the
+    # ops that slice, pad, concatenate or allocate along dim 0 (ops/slicing.py) run on the
+    # :meth:`as_matrix` view and give the result its leading dims back (:meth:`with_shape`). The
+    # block phase is always in plane rows and columns.
+    @property
+    def rows_per_index(self) -> int:
+        """Plane rows per index along dim 0 (1 for a 2-D tensor; ``out`` for an ``[E, out, in]`` one)."""
+        n = 1
+        for s in self.shape[1:-1]:
+            n *= s
+        return n
+
+    def as_matrix(self) -> "QuantizedTensor":
+        """This tensor as the 2-D matrix its planes hold (leading dims flattened into rows; see the
+        note), over the same planes, values plane and owner; ``self`` when it is 2-D.
+
+        Example:
+            >>> q.as_matrix().shape      # q: [8, 256, 512]
+            torch.Size([2048, 512])
+        """
+        if self.dim() == 2:
+            return self
+        rows = self.shape[0] * self.rows_per_index
+        hp = None if self.hp_init is None else self.hp_init.reshape(rows, self.shape[-1])
+        return self.rebuild(shape=(rows, self.shape[-1]), hp_init=hp)
+
+    def with_shape(self, shape) -> "QuantizedTensor":
+        """This 2-D tensor given the logical ``shape`` whose flattened matrix it is (the inverse of
+        :meth:`as_matrix`); ``self`` when ``shape`` is its own.
+
+        Example:
+            >>> q.as_matrix().with_shape(q.shape).shape
+            torch.Size([8, 256, 512])
+        """
+        shape = tuple(shape)
+        if shape == tuple(self.shape):
+            return self
+        hp = None if self.hp_init is None else self.hp_init.reshape(shape)
+        return self.rebuild(shape=shape, hp_init=hp)
 
     def place_(self, phase: tuple[int, int]) -> "QuantizedTensor":
         """Give an unplaced tensor (see the note above) its block phase, keeping the scale rows of

@@ -103,6 +103,10 @@ class Recipe(abc.ABC):
         """Raise :class:`RecipeError` for (logical, possibly N-D) shapes TE rejects for this recipe."""
 
     scale_inv_dtype: torch.dtype = torch.float32
+    #: True when the weight scaling state (:meth:`initial_scaling_state`) holds one row per index
+    #: along the weight's dim 0 (one expert of an expert weight: ``experts.py``), so a checkpoint
+    #: shards it with the weight's dim 0; False: one state for the whole weight, the same on every rank.
+    scaling_state_per_index: bool = False
 
     # ---- geometry ------------------------------------------------------------------------------
     def stored_usage(self, usage: str) -> str:

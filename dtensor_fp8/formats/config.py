@@ -22,11 +22,16 @@ import json
 import torch
 
 from .base import Recipe, RecipeError
+from .experts import PerExpert
 from .registry import RECIPE_CLASSES
 
 #: the config layout written now
 CONFIG_FORMAT = 1
-_CLASSES: dict[str, type] = {c.__name__: c for c in RECIPE_CLASSES}
+#: Recipes that wrap another one (``PerExpert``: a registered recipe applied to each expert of a 3-D
+#: weight) store it as a nested config object in their field (``{"recipe": "PerExpert", "format": 1,
+#: "base": {"recipe": "MXFP8", ...}, "expert_rows": 256}``).
+_WRAPPERS: tuple[type, ...] = (PerExpert,)
+_CLASSES: dict[str, type] = {c.__name__: c for c in (*RECIPE_CLASSES, *_WRAPPERS)}
 #: (recipe class name, field) -> the value a checkpoint written before the field existed implies.
 #: Add an entry whenever a field is added whose default differs from the behaviour before it.
 IMPLICIT_BEFORE_FIELD_EXISTED: dict[tuple[str, str], object] = {}
@@ -35,10 +40,16 @@ IMPLICIT_BEFORE_FIELD_EXISTED: dict[tuple[str, str], object] = {}
 def _plain(value):
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
+    if isinstance(value, Recipe):  # a wrapped recipe: its own config, nested
+        return json.loads(recipe_config(value))
     return value
 
 
 def _typed(field: dataclasses.Field, value, where: str):
+    if isinstance(value, dict):  # a nested recipe config (a wrapper's base)
+        if field.type not in ("Recipe", Recipe):
+            raise RecipeError(f"{where}: field {field.name} holds an object, which only a recipe field may")
+        return recipe_from_config(json.dumps(value))
     if field.type in ("torch.dtype", torch.dtype) or isinstance(field.default, torch.dtype):
         dtype = getattr(torch, value, None) if isinstance(value, str) else None
         if not isinstance(dtype, torch.dtype):

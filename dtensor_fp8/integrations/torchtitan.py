@@ -126,6 +126,11 @@ class FP8ParameterConverter(QuantizationConverter):
         """Linear layers to keep in high precision: any whose FQN contains one of these strings
         (torchtitan's float8 rule), e.g. ``["lm_head"]``."""
 
+        targets: Literal["dense", "experts", "both"] = "dense"
+        """What becomes FP8: ``"dense"`` the Linear layers, ``"experts"`` the routed experts'
+        3-D weights (``GroupedExperts``, quantized per expert: ``torchtitan_experts.py``),
+        ``"both"`` both."""
+
     def __init__(self, config: Config):
         self.config = config
         self.recipe = _recipe(config.recipe)
@@ -136,6 +141,15 @@ class FP8ParameterConverter(QuantizationConverter):
         config another FP8 converter already converted; warns of a ``filter_fqns`` entry that
         matches no Linear layer (its layers would silently become FP8)."""
         skip = self.config.filter_fqns
+        if self.config.targets not in ("dense", "experts", "both"):
+            raise RecipeError(f"FP8ParameterConverter: targets must be 'dense', 'experts' or 'both', got "
+                              f"{self.config.targets!r}")
+        if self.config.targets != "dense":
+            from .torchtitan_experts import convert_grouped_experts
+
+            model_config = convert_grouped_experts(model_config, self.config.recipe, self.recipe, skip)
+            if self.config.targets == "experts":
+                return model_config
         linears = list(model_config.traverse(Linear.Config))
         _refuse_a_second_fp8_converter(linears)
         for f in skip:

@@ -66,6 +66,9 @@ def _refuse_dim1_gather_of_split_pieces(q, group_name: str) -> None:
 def _all_gather_into_tensor(func, args, kwargs):
     q, group_size, group_name = args[0], args[1], args[2]
     _refuse_dim1_gather_of_split_pieces(q, group_name)
+    if q.dim() > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
+        gathered = _all_gather_into_tensor(func, (q.as_matrix(), group_size, group_name), kwargs)
+        return gathered.with_shape([q.shape[0] * group_size, *q.shape[1:]])
     planes = {}
 
     def gather(t: torch.Tensor) -> torch.Tensor:

@@ -46,9 +46,12 @@ class QuantizedTransposeView(torch.Tensor):
 
     @staticmethod
     def __new__(cls, base: QuantizedTensor):
-        m, k = base.shape
+        # 3-D: the transpose of each expert's matrix of an expert weight [E, M, K] (formats/experts.py),
+        # as torchtitan's GroupedExperts hands w.transpose(-2, -1) to its grouped GEMM (grouped_mm.py).
+        *lead, m, k = base.shape
+        strides = (*(m * k for _ in lead), 1, k)
         return torch.Tensor._make_wrapper_subclass(
-            cls, torch.Size((k, m)), strides=(1, k), dtype=base.dtype, device=base.device,
+            cls, torch.Size((*lead, k, m)), strides=strides, dtype=base.dtype, device=base.device,
             requires_grad=False,
         )
 
@@ -78,24 +81,30 @@ class QuantizedTransposeView(torch.Tensor):
 
 
 def _is_01_transpose(func, args) -> bool:
+    """Whether ``func(*args)`` swaps the last two dims of a 2-D or 3-D tensor (``t``, ``transpose(0, 1)``,
+    and for a 3-D expert weight ``transpose(-2, -1)`` / ``transpose(1, 2)``)."""
+    ndim = args[0].dim()
     if func is aten.t.default:
-        return True
-    d0, d1 = sorted(int(x) % 2 for x in args[1:3])
-    return (d0, d1) == (0, 1)
+        return ndim == 2
+    if ndim not in (2, 3):
+        return False
+    return sorted(int(x) % ndim for x in args[1:3]) == [ndim - 2, ndim - 1]
 
 
 @QUANTIZED_OPS.implements([aten.t.default, aten.transpose.int])
 def _transpose_quantized(func, args, kwargs):
     q = args[0]
-    if q.dim() != 2 or not _is_01_transpose(func, args):
-        raise RecipeError(f"{q.recipe.name}: only the 2-D transpose of a quantized weight is supported, got {func}{tuple(args[1:])}")
+    if not _is_01_transpose(func, args):
+        raise RecipeError(f"{q.recipe.name}: only the transpose of the last two dims of a 2-D weight or a 3-D expert "
+                          f"weight is supported, got {func}{tuple(args[1:])} on shape {tuple(q.shape)}")
     return QuantizedTransposeView(q)
 
 
 @TRANSPOSE_VIEW_OPS.implements([aten.t.default, aten.transpose.int])
 def _transpose_back(func, args, kwargs):
     if not _is_01_transpose(func, args):
-        raise RecipeError(f"only the 2-D transpose of a quantized weight is supported, got {func}{tuple(args[1:])}")
+        raise RecipeError(f"only the transpose of the last two dims of a quantized weight is supported, got "
+                          f"{func}{tuple(args[1:])}")
     base = args[0]._base_q
     # A new object (autograd's view tracking forbids returning the base itself) that reads through
     # to ``base`` (through its owner record, see ops/copies.reads_from): when this runs in

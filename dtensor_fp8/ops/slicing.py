@@ -90,6 +90,13 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     size = q.shape[dim]
     start, end = max(0, min(start, size)), max(0, min(end, size))
     end = max(start, end)
+    if q.dim() > 2:  # on the flattened matrix (tensor.py's note on tensors of more than two dims)
+        f = _leading_dims_only(q, dim, "slice")
+        shape = list(q.shape)
+        shape[dim] = end - start
+        if dim == 0:
+            return slice_quantized(q.as_matrix(), 0, start * f, end * f).with_shape(shape)
+        return slice_quantized(q.as_matrix(), 1, start, end).with_shape(shape)
     planes = q.planes  # places an unplaced tensor where its owner knows where it lies
     if not q.placed:  # FSDP2 still building the parameter: its leading rows keep every scale row
         if dim != 0 or start != 0:
@@ -118,6 +125,18 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     new_phase[dim] += start
     hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
     return q.rebuild(planes, shape=shape, hp_init=hp, phase=tuple(new_phase))
+
+
+def _leading_dims_only(q: QuantizedTensor, dim: int, what: str) -> int:
+    """Plane rows per index along dim 0 of a tensor of more than two dims, after checking that
+    ``dim`` is its first or last dim (the others are inside the planes' rows)."""
+    if dim % q.dim() not in (0, q.dim() - 1):
+        raise RecipeError(
+            f"{q.recipe.name}: {what} along dim {dim} of an FP8 weight of shape {tuple(q.shape)} is not supported: "
+            "its planes are matrices with the leading dims flattened into rows, so only dim 0 (e.g. the experts of "
+            "an [experts, out, in] weight: Shard(0)) and the last dim can be cut. Shard the experts (dim 0) instead, "
+            "or keep this weight in high precision.")
+    return q.rows_per_index
 
 
 def chunk_of(q: QuantizedTensor, dim: int, num_chunks: int, index: int) -> QuantizedTensor:
@@ -180,6 +199,12 @@ def _as_strided(func, args, kwargs):
     """FSDP2 un-pads the gathered parameter with ``as_strided(full, orig_size, contiguous, 0)``."""
     q, size, stride = args[0], list(args[1]), list(args[2])
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0) or 0
+    if q.dim() > 2 and len(size) == q.dim() and list(size[1:]) == list(q.shape[1:]):  # leading indices of dim 0
+        contiguous = [1]
+        for n in reversed(size[1:]):
+            contiguous.insert(0, contiguous[0] * n)  # row-major strides of (size[0], *size[1:])
+        if offset == 0 and stride == contiguous and size[0] <= q.shape[0]:
+            return q.rebuild() if size[0] == q.shape[0] else slice_quantized(q, 0, 0, size[0])
     contiguous = [size[1], 1] if len(size) == 2 else None
     if len(size) != 2 or offset != 0 or stride != contiguous or size[1] != q.shape[1] or size[0] > q.shape[0]:
         raise RecipeError(
@@ -211,6 +236,12 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLA
         >>> padded = zeros_like_quantized(q, (q.shape[0] + 32, q.shape[1]))
     """
     device = device or q.device
+    if len(shape) > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
+        if list(shape[1:-1]) != list(q.shape[1:-1]) or q.dim() != len(shape):
+            raise RecipeError(f"{q.recipe.name}: a tensor of shape {tuple(shape)} like an FP8 weight of shape "
+                              f"{tuple(q.shape)}: only dim 0 and the last dim may differ")
+        f = q.rows_per_index
+        return zeros_like_quantized(q.as_matrix(), (shape[0] * f, shape[-1]), device, phase).with_shape(shape)
     if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
         q.param_state.lifecycle.mark_to_empty()  # the user's init is to write it (finish_init_ checks)
     if phase is _SAME_PLACE:  # an unplaced q (see tensor.py's note) makes an unplaced tensor
@@ -242,6 +273,13 @@ def _constant_pad_nd(func, args, kwargs):
     if any(pad[i] for i in range(0, len(pad), 2)) or any(v < 0 for v in after.values()):
         raise RecipeError(f"{q.recipe.name}: only padding at the end of a dim is supported on quantized weights, got pad={pad}")
     shape = [s + after.get(d, 0) for d, s in enumerate(q.shape)]
+    if q.dim() > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
+        for d in after:
+            if after[d]:
+                _leading_dims_only(q, d, "padding")
+        m = q.as_matrix()
+        out = _constant_pad_nd(func, (m, [0, after.get(q.dim() - 1, 0), 0, after.get(0, 0) * q.rows_per_index]), {})
+        return out.with_shape(shape)
     padded = zeros_like_quantized(q, shape)
     targets = padded.planes
     for usage, plane in q.planes.items():
@@ -277,6 +315,11 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
     """
     first = tensors[0]
     dim = dim % first.dim()
+    if first.dim() > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
+        _leading_dims_only(first, dim, "concatenation")
+        shape = list(first.shape)
+        shape[dim] = sum(t.shape[dim] for t in tensors)
+        return cat_quantized([t.as_matrix() for t in tensors], 0 if dim == 0 else 1).with_shape(shape)
     stored = tuple(first.planes)
     for t in tensors:
         if not isinstance(t, QuantizedTensor) or t.recipe != first.recipe or tuple(t.planes) != stored:

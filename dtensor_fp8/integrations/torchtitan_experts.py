@@ -1,0 +1,119 @@
+"""torchtitan's routed MoE experts (``GroupedExperts``) with FP8 expert weights.
+
+[Note: FP8 expert weights in torchtitan]
+``FP8ParameterConverter.Config(targets="experts" | "both")`` swaps each ``GroupedExperts.Config`` of
+a model config (DeepSeek-V3, Qwen3 MoE, ...) for the config of :func:`fp8_grouped_experts_cls`'s
+subclass, as torchtitan's own ``Float8GroupedExpertsConverter`` does. The subclass:
+
+* makes its 3-D weights (``w1_EFD``, ``w2_EDF``, ``w3_EFD``: ``[experts, out, in]``) FP8 parameters
+  quantized per expert (``dtensor_fp8/formats/experts.py``) with
+  ``quantize_module_(..., experts=...)``, when torchtitan builds the model on the meta device; the
+  model's ``param_init`` writes their values and the ``MasterWeightOptimizer`` makes the bytes;
+* overrides the ``_grouped_mm`` seam with :func:`dtensor_fp8.grouped_mm.grouped_mm`: the forward
+  GEMM reads the rowwise plane FSDP2 gathered, the input gradient the columnwise plane (emulated:
+  planes dequantized, then ``torch._grouped_mm``; no FP8 grouped GEMM is wired yet).
+
+What is not done yet (issue 48's next slices): expert parallelism (``Shard(0)`` of the experts on
+an EP mesh before FSDP2), TP ``Shard(1)`` / ``Shard(2)`` of expert weights, torch's scaled grouped
+GEMM on CUDA, pipeline parallelism with FP8 experts, and torchtitan's state-dict flattening of the
+expert entries (FP8ParameterLinear's ``_flatten_fp8_entries``) for its checkpointer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+from torchtitan.models.common.moe import GroupedExperts
+
+from ..formats import RECIPES
+from ..formats.base import RecipeError
+from ..formats.experts import per_expert
+from ..grouped_mm import grouped_mm
+from ..module import quantize_module_
+
+
+def _expert_weights(module) -> tuple[str, ...]:
+    """Names of the module's own 3-D parameters: its expert weights."""
+    return tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() == 3)
+
+
+@functools.cache
+def fp8_grouped_experts_cls(base: type) -> type:
+    """The subclass of torchtitan's ``GroupedExperts`` class ``base`` with FP8 expert weights (see
+    the note); one per base class.
+
+    Args:
+        base: ``GroupedExperts`` or a subclass of it.
+
+    Example:
+        >>> cls = fp8_grouped_experts_cls(GroupedExperts)
+        >>> with torch.device("meta"):
+        ...     experts = cls.Config(dim=256, hidden_dim=256, num_experts=8, recipe="mxfp8").build()
+    """
+    class FP8GroupedExperts(base):  # type: ignore[valid-type, misc]
+        @dataclass(kw_only=True, slots=True)
+        class Config(base.Config):  # type: ignore[misc, name-defined]
+            recipe: str = "mxfp8"
+            """dtensor_fp8 recipe name: delayed, current, mxfp8, blockwise1d or blockwise2d."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            names = _expert_weights(self)
+            if config.recipe not in RECIPES:
+                raise RecipeError(f"FP8ParameterConverter: unknown recipe {config.recipe!r}; choose one of {sorted(RECIPES)}")
+            quantize_module_(self, RECIPES[config.recipe], filter_fn=lambda m, fqn: False,
+                             experts=lambda m, fqn: names if m is self else ())
+
+        def _grouped_mm(self, *, A, B_t, offs):
+            return grouped_mm(A, B_t, offs)
+
+    FP8GroupedExperts.__name__ = FP8GroupedExperts.__qualname__ = f"FP8Parameter{base.__name__}"
+    FP8GroupedExperts.Config.__qualname__ = f"FP8Parameter{base.__name__}.Config"
+    return FP8GroupedExperts
+
+
+def convert_grouped_experts(model_config, recipe_name: str, recipe, skip=()):
+    """``model_config`` with every ``GroupedExperts.Config`` whose FQN contains none of ``skip``
+    swapped for the FP8 one (see the note), or a :class:`RecipeError` listing every one whose
+    shapes ``recipe`` cannot hold per expert (nothing is swapped then).
+
+    Args:
+        model_config: a torchtitan model config.
+        recipe_name: the recipe's name (stored in the new configs).
+        recipe: the recipe object.
+        skip: FQN substrings to keep in high precision.
+
+    Example:
+        >>> config = convert_grouped_experts(config, "mxfp8", dtensor_fp8.MXFP8())
+    """
+    found = list(model_config.traverse(GroupedExperts.Config))
+    targets, problems = [], []
+    for fqn, config, parent, attr in found:
+        if any(s in fqn for s in skip):
+            continue
+        if isinstance(type(config)._owner, type) and type(config)._owner.__name__.startswith(("FP8Parameter", "Float8", "MXFP8")):
+            problems.append(f"{fqn}: already converted by another FP8 converter ({type(config).__qualname__})")
+            continue
+        e, hidden, dim = config.num_experts, config.hidden_dim, config.dim
+        try:
+            for shape in ((e, hidden, dim), (e, dim, hidden)):
+                per_expert(recipe, shape)
+        except RecipeError as err:
+            problems.append(f"{fqn}: {err}")
+            continue
+        targets.append((fqn, config, parent, attr))
+    if problems:
+        raise RecipeError(f"FP8ParameterConverter({recipe_name!r}): nothing was converted; {len(problems)} GroupedExperts "
+                          "cannot hold FP8 expert weights:\n  " + "\n  ".join(problems) +
+                          "\nKeep them in high precision with filter_fqns=[...] or targets='dense'.")
+    for _, config, parent, attr in targets:
+        cls = fp8_grouped_experts_cls(type(config)._owner)
+        new = cls.Config(**{f.name: getattr(config, f.name) for f in fields(config)}, recipe=recipe_name)
+        if parent is None:
+            model_config = new
+        elif isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    return model_config
