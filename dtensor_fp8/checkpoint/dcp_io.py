@@ -36,6 +36,7 @@ import pickle
 import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,7 +45,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
 from .._compat import DCP_METADATA_GLOBALS, dcp_item_stream
-from .checksum import CHECKSUMS_FILE, bytes_checksum, copy_with_checksum, entry_key, tensor_checksum
+from .checksum import (CHECKSUMS_FILE, ChecksumFileError, bytes_checksum, copy_with_checksum, entry_key, read_checksums,
+                       tensor_checksum)
 from .dcp_write import done as _done
 from .dirs import METADATA_FILE, check_inside
 from ..agreement import CheckpointError, UnsafeCheckpointError
@@ -194,6 +196,62 @@ def check_coverage(checkpoint_dir: str, metadata: Metadata, checksums: dict) -> 
     if moved:
         raise CheckpointError(f"{file} places {len(moved)} item(s) in other files than .metadata does "
                               f"({', '.join(moved[:6])}): the two files are not of one save; {fix}")
+
+
+# ---- opening a DCP directory: metadata, files, checksums --------------------------------------------------------
+CHECKSUM_POLICIES = ("required", "if_present", "skip")
+
+
+class OpenedCheckpoint(NamedTuple):
+    metadata: Metadata
+    checksums: dict | None  # None: not read (``"skip"``) or no checksums.json (``"if_present"``)
+
+
+def open_checkpoint(path: str, checksums: str, *, missing_hint: str = "") -> OpenedCheckpoint:
+    """Open the DCP checkpoint directory ``path`` without running code: ``.metadata`` through the
+    allow-list (:func:`read_metadata`), every file it names inside ``path`` and long enough
+    (:func:`check_files`), then ``checksums.json`` read and checked to cover every stored item
+    (:func:`check_coverage`), as ``checksums`` asks. ``load_checkpoint`` and ``load_hp_checkpoint``
+    both open a directory through here, each stating its policy.
+
+    Args:
+        path: the checkpoint directory.
+        checksums: ``"required"`` (a missing ``checksums.json`` is refused), ``"if_present"``
+            (verified where the file exists, e.g. a plain ``dcp.save`` has none) or ``"skip"``
+            (not read).
+        missing_hint: under ``"required"``, the text after "{file} is missing, so the checkpoint
+            cannot be verified " in the error (the caller's why and fix: its switch's name).
+
+    Returns:
+        :class:`OpenedCheckpoint` ``(metadata, checksums)``; ``checksums`` is None where skipped or absent.
+
+    Raises:
+        CheckpointError: a file outside ``path``, unreadable or crafted ``.metadata``, a missing or
+            short file, a ``checksums.json`` missing (``"required"``), unreadable or not covering.
+
+    Example:
+        >>> opened = open_checkpoint("ckpt/step_100", "if_present")
+        >>> reader = SafeFileSystemReader("ckpt/step_100", metadata=opened.metadata, checksums=opened.checksums)
+    """
+    if checksums not in CHECKSUM_POLICIES:
+        raise ValueError(f"open_checkpoint: checksums={checksums!r}; one of {', '.join(CHECKSUM_POLICIES)}")
+    check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
+    metadata = read_metadata(path)
+    check_files(path, metadata)
+    if checksums == "skip":
+        return OpenedCheckpoint(metadata, None)
+    file = os.path.join(path, CHECKSUMS_FILE)
+    check_inside(path, file, "a checkpoint's file")
+    try:
+        stored = read_checksums(path, metadata)
+    except ChecksumFileError as err:
+        raise CheckpointError(str(err)) from None
+    if stored is None:
+        if checksums == "required":
+            raise CheckpointError(f"{file} is missing, so the checkpoint cannot be verified {missing_hint}".rstrip())
+        return OpenedCheckpoint(metadata, None)
+    check_coverage(path, metadata, stored)
+    return OpenedCheckpoint(metadata, stored)
 
 
 def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:

@@ -33,9 +33,8 @@ from ..hp_load import HP_UNTOUCHED, HPLoadResult, stage_hp_values, value_problem
 from ..entry import is_extra_state, is_recipe_key
 from ..state_dict import hp_targets
 from ..tensor import QuantizedTensor
-from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
-from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
-from .dirs import METADATA_FILE, check_inside
+from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, open_checkpoint
+from .dirs import METADATA_FILE
 from ..agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
 from .save_load import _from_dcp
 from .values import check_value
@@ -146,21 +145,11 @@ def _open(path: str | None, reader: StorageReader | None, verify: bool | None) -
         pickled = _pickled_weights_only(path)
         if pickled is not None:
             raise _pickled_weights_error(pickled)
-        check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
-        metadata = read_metadata(path)
-        check_files(path, metadata)
-        checksums = None
-        if verify is not False:
-            check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
-            try:
-                checksums = read_checksums(path, metadata)
-            except ChecksumFileError as err:
-                raise CheckpointError(str(err)) from None
-            if checksums is None and verify:
-                raise CheckpointError(f"{os.path.join(path, CHECKSUMS_FILE)} is missing, so the checkpoint cannot be "
-                                      "verified (verify=True). Fix: restore the file, or pass verify=None / False")
-            if checksums is not None:
-                check_coverage(path, metadata, checksums)
+        # checksums verified where checksums.json exists (verify=None): load_hp_checkpoint also reads
+        # directories written by plain dcp.save, which writes none; verify=True requires, False skips
+        policy = "skip" if verify is False else "required" if verify else "if_present"
+        metadata, checksums = open_checkpoint(path, policy, missing_hint=(
+            "(verify=True). Fix: restore the file, or pass verify=None / False"))
         return _Source(SafeFileSystemReader(path, metadata=metadata, checksums=checksums), metadata,
                        _files_of(metadata, path))
     base = os.fspath(getattr(reader, "path", "") or "")

@@ -28,12 +28,9 @@ from ..entry import (MASTER_KEY, RECIPE_KEY, is_extra_state, is_master_key, is_r
                      is_weight_state_entry, weight_key)
 from ..placement import like, local_tensor
 from ..state_dict import check_saved_recipe
-from .checksum import CHECKSUMS_FILE, ChecksumFileError, read_checksums
-from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, check_coverage, check_files, read_metadata
+from .dcp_io import OpenedCheckpoint, SafeFileSystemReader, SafeLoadPlanner, open_checkpoint
 from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, dcp_failure_class, describe_dcp_failure
 from .dirs import (
-    METADATA_FILE,
-    check_inside,
     commit_outcome,
     commit_save,
     discard_save,
@@ -191,11 +188,6 @@ def latest_checkpoint(root: str) -> str:
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
-class _Opened(NamedTuple):
-    metadata: Metadata
-    checksums: dict | None
-
-
 def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverage: str = "rank", verify: bool = True,
                     allow_nonfinite: bool = False, process_group=None) -> LoadResult:
     """``dcp.load`` into ``state_dict`` (in place), safely and all-or-nothing.
@@ -311,32 +303,20 @@ def read_weight_states_of_older_layout(flat: dict, recipes: dict, metadata: Meta
                 break
 
 
-def _open(path: str, verify: bool | None) -> _Opened:
-    check_inside(path, os.path.join(path, METADATA_FILE), "a checkpoint's file")
-    metadata = read_metadata(path)
-    check_files(path, metadata)
-    if verify is False:
-        return _Opened(metadata, None)
-    check_inside(path, os.path.join(path, CHECKSUMS_FILE), "a checkpoint's file")
-    try:
-        checksums = read_checksums(path, metadata)
-    except ChecksumFileError as err:
-        raise CheckpointError(str(err)) from None
-    if checksums is None:
-        raise CheckpointError(
-            f"{os.path.join(path, CHECKSUMS_FILE)} is missing, so the checkpoint cannot be verified (deleted? or "
-            "written by plain dcp.save / dcp.async_save, or before dtensor_fp8 stored checksums). Fix: restore the "
-            "file from a copy of the checkpoint; or pass verify=False to load it unverified, knowingly")
-    check_coverage(path, metadata, checksums)
-    return _Opened(metadata, checksums)
+def _open(path: str, verify: bool | None) -> OpenedCheckpoint:
+    # checksums required unless verify=False: this module's saves always write checksums.json, so a
+    # directory without one is damaged or not ours (None is taken as True)
+    return open_checkpoint(path, "skip" if verify is False else "required", missing_hint=(
+        "(deleted? or written by plain dcp.save / dcp.async_save, or before dtensor_fp8 stored checksums). Fix: "
+        "restore the file from a copy of the checkpoint; or pass verify=False to load it unverified, knowingly"))
 
 
-def _stored_file(opened: _Opened, path: str, key: str) -> str:
+def _stored_file(opened: OpenedCheckpoint, path: str, key: str) -> str:
     info = opened.metadata.storage_data.get(MetadataIndex(key))
     return os.path.join(path, info.relative_path) if info is not None else path
 
 
-def _check_loaded(flat: dict, plan: _Plan, opened: _Opened, path: str, allow_nonfinite: bool) -> None:
+def _check_loaded(flat: dict, plan: _Plan, opened: OpenedCheckpoint, path: str, allow_nonfinite: bool) -> None:
     """What was read, before it is written back: plain values against the template, masters finite."""
     for key, value in plan.copies.items():
         if not isinstance(value, torch.Tensor):
@@ -382,7 +362,7 @@ class _Plan(NamedTuple):
     unexpected: list
 
 
-def _check_entries(flat: dict, recipes: dict, opened: _Opened, path: str, strict: bool, nobody: list | None,
+def _check_entries(flat: dict, recipes: dict, opened: OpenedCheckpoint, path: str, strict: bool, nobody: list | None,
                    group) -> _Plan:
     """Recipes first (a small collective read on every rank), then presence, kind, shape and dtype of
     every entry, before any tensor is read. ``nobody``: the entries no rank asks for
@@ -506,7 +486,7 @@ def _listed(keys: list) -> str:
 
 
 
-def _dcp_load(flat: dict, path: str, opened: _Opened, group) -> None:
+def _dcp_load(flat: dict, path: str, opened: OpenedCheckpoint, group) -> None:
     reader = SafeFileSystemReader(path, metadata=opened.metadata, checksums=opened.checksums)
     try:
         dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
