@@ -299,18 +299,27 @@ def expected_on(device_type: str) -> bool:
     return m == "on" or (m == "auto" and device_type != "cpu")
 
 
-def note_fallback(reason: str, x: torch.Tensor, weight) -> None:
-    """Warn, once per process and reason, that the emulated linear runs where FP8 GEMMs were
-    expected (:func:`expected_on`)."""
+def note_fallback(reason: str, x: torch.Tensor, weight, *, subject: str | None = None, stacklevel: int = 4) -> None:
+    """Warn, once per process and reason, that an emulated GEMM runs where FP8 GEMMs were expected
+    (:func:`expected_on`).
+
+    Args:
+        reason: why no FP8 GEMM runs.
+        x: the activation (its device decides whether FP8 GEMMs were expected).
+        weight: the quantized weight.
+        subject: what runs emulated (default: ``F.linear``'s emulated linear; the grouped GEMM says its own).
+        stacklevel: as ``warnings.warn``'s, counted from the caller's caller of this function.
+    """
     if not expected_on(x.device.type):
         return
     key = f"{weight.recipe.name}: {reason}"
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(f"dtensor_fp8: F.linear with a {weight.recipe.name} weight of shape {tuple(weight.shape)} runs the "
-                  f"emulated linear (planes dequantized, high-precision GEMM), not FP8 GEMMs: {reason}. "
-                  "Said once per process.", stacklevel=4)
+    if subject is None:
+        subject = f"F.linear with a {weight.recipe.name} weight of shape {tuple(weight.shape)} runs the emulated linear"
+    warnings.warn(f"dtensor_fp8: {subject} (planes dequantized, high-precision GEMM), not FP8 GEMMs: {reason}. "
+                  "Said once per process.", stacklevel=stacklevel)
 
 
 def _states(weight, device) -> dict:

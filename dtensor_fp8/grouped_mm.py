@@ -27,8 +27,6 @@ offs=offs)``: ``w.bfloat16()`` of an FP8 weight is the same bytes with a bf16 no
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import gemm
@@ -96,22 +94,10 @@ def grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.
     if q.dim() != 3 or A.dim() != 2 or A.shape[-1] != q.shape[-1] or offs.shape != q.shape[:1]:
         raise RecipeError(f"{q.recipe.name}: grouped_mm of A {tuple(A.shape)} with an expert weight {tuple(q.shape)} "
                           f"and offs {tuple(offs.shape)}: expected A [tokens, {q.shape[-1]}] and offs [{q.shape[0]}]")
-    _note_emulated(A, q)
+    gemm.note_fallback("no FP8 grouped GEMM is wired yet", A, q, stacklevel=3,
+                       subject=f"the grouped GEMM of a {q.recipe.name} expert weight of shape {tuple(q.shape)} runs "
+                               "the emulated path (torch._grouped_mm)")
     return _QuantizedGroupedMM.apply(A, B_t, offs)
-
-
-_warned: set = set()
-
-
-def _note_emulated(A: torch.Tensor, q: QuantizedTensor) -> None:
-    """Warn, once per process and recipe, that the emulated grouped GEMM runs where FP8 GEMMs are
-    expected (``gemm.expected_on``: CUDA unless ``DTENSOR_FP8_GEMMS=off``), as the dense GEMMs do."""
-    if not gemm.expected_on(A.device.type) or q.recipe.name in _warned:
-        return
-    _warned.add(q.recipe.name)
-    warnings.warn(f"dtensor_fp8: the grouped GEMM of a {q.recipe.name} expert weight of shape {tuple(q.shape)} runs the "
-                  "emulated path (planes dequantized, torch._grouped_mm in high precision): no FP8 grouped GEMM is "
-                  "wired yet. Said once per process.", stacklevel=3)
 
 
 def experts_grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -120,11 +120,10 @@ def test_grouped_mm_one_process():
 def test_grouped_mm_says_it_is_emulated_once():
     """Where FP8 GEMMs are expected (forced on here on the CPU) the emulated grouped GEMM warns, once."""
     from dtensor_fp8 import gemm
-    from dtensor_fp8.grouped_mm import _warned
 
     q = d.quantize(torch.randn(2, 64, 64), d.per_expert(d.Blockwise(block_dims=1), (2, 64, 64)))
     offs = torch.tensor([3, 5], dtype=torch.int32)
-    _warned.discard(q.recipe.name)
+    gemm._warned.clear()  # the dense and grouped GEMMs' one once-per-process set
     with gemm.fp8_gemms("on"):
         with pytest.warns(UserWarning, match="grouped GEMM of a blockwise1d-per-expert expert weight .* emulated"):
             grouped_mm(torch.randn(5, 64), q.transpose(-2, -1), offs)
