@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
-from .formats.base import Plane, RecipeError
+from .formats.base import Plane, RecipeError, as_matrix_shape
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
 from .placement import like, local_tensor, shard_dim
@@ -94,12 +94,17 @@ def _matrix_layout(param: DTensor):
                 f"{local_tensor(param).recipe.name}: an FP8 weight of shape {tuple(param.shape)} sharded as "
                 f"{tuple(param.placements)}: its planes flatten the leading dims into rows, so only Shard(0) (the "
                 f"experts of an expert weight) and Shard({last}) can be saved. Shard dim 0 instead.")
-    return placements, (param.numel() // param.shape[-1], param.shape[-1])
+    return placements, as_matrix_shape(param.shape)
+
+
+def _dim0_placements(param: DTensor) -> list:
+    """Placements of a tensor with one row per index of ``param``'s dim 0, sharded as that dim is."""
+    return [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
 
 
 def _sharded_like_dim0(param: DTensor, local: torch.Tensor) -> DTensor:
     """``local`` (one row per index of ``param``'s local dim 0) as a DTensor sharded like that dim."""
-    placements = [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
+    placements = _dim0_placements(param)
     shape = (param.shape[0], *local.shape[1:])
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
@@ -133,11 +138,12 @@ def plane_entries(param: torch.Tensor) -> dict:
         value = value.detach().clone()
         # a state with a row per index of dim 0 (per expert) is sharded as the weight's dim 0 is
         entry[name] = _sharded_like_dim0(param, value) if name in per_index else value
+    if isinstance(param, DTensor):
+        matrix_placements, matrix = _matrix_layout(param)
     for usage, plane in q.planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
         if isinstance(param, DTensor):
-            matrix_placements, matrix = _matrix_layout(param)
             grid = q.recipe.block_shape(usage).grid(matrix)
             data = _like_matrix(param, data, matrix_placements, matrix)
             placements = _scale_placements(param, q.recipe, usage, matrix_placements)
@@ -208,7 +214,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     check_saved_recipe(name, entry.get(RECIPE_KEY), q.recipe)
     full = isinstance(param, DTensor) and _holds_full_planes(entry, param)
     shape = tuple(param.shape) if full else tuple(q.shape)
-    matrix = (math.prod(shape[:-1]), shape[-1])  # the planes' shape (leading dims flattened)
+    matrix = as_matrix_shape(shape)  # the planes' shape (leading dims flattened)
     planes = {}
     for usage, plane in q.planes.items():
         missing = [k for k in (plane_key(usage, "data"), plane_key(usage, "scale_inv")) if k not in entry]
@@ -237,8 +243,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         def value(key, like_):
             v = local_tensor(entry[key]).to(like_.device)
             if per_index and full and isinstance(param, DTensor):  # a whole per-expert state: this rank's rows
-                placements = [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
-                v = distribute_tensor(v, param.device_mesh, placements, src_data_rank=None).to_local()
+                v = distribute_tensor(v, param.device_mesh, _dim0_placements(param), src_data_rank=None).to_local()
             return v
         return {name: {k: value(f"{name}_{k}", v) for k, v in state.items()}
                 for name, state in states.items() if state is not None and all(f"{name}_{k}" in entry for k in state)}
@@ -277,7 +282,7 @@ def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
     data = entry.get(plane_key(next(iter(local_tensor(param).planes)), "data"))
-    matrix = (math.prod(param.shape[:-1]), param.shape[-1])
+    matrix = as_matrix_shape(param.shape)
     return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == matrix
             and tuple(param.shape) != tuple(dtensor_local(param).shape))
 
