@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 import weakref
 from typing import Protocol
@@ -455,7 +456,7 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
         _keep_shared_scales(record, planes, shared_scales)
         return
     if logical is not None:  # the padded weight with its leading dims back (FSDP2 un-pads it with as_strided)
-        gathered = gathered.with_shape((full_rows // _numel(logical[1:-1]), *logical[1:]))
+        gathered = gathered.with_shape((full_rows // math.prod(logical[1:-1]), *logical[1:]))
     if completes:  # before FSDP2 makes its aliases of ``gathered``, so that they hold the plane too
         record.gathered.complete_(gathered, ROWWISE)
     if backward_only:
@@ -464,13 +465,6 @@ def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadat
     # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
     # with them is the owner record's: a completion adds its buffers there.
     return gathered, record.inner_tensors
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class _BoundPreAllGather:

@@ -7,6 +7,7 @@ process-group code (``groups.py``) can all use it without importing each other.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from torch.distributed.tensor import Shard
@@ -89,10 +90,7 @@ def rows_per_index(layout: Layout) -> int:
         >>> rows_per_index(layout_of(experts.w1))   # w1: [8, 256, 128]
         256
     """
-    n = 1
-    for s in layout.shape[1:-1]:
-        n *= s
-    return n
+    return math.prod(layout.shape[1:-1])
 
 
 __all__ = ["Layout", "shard_dim", "dim_pieces", "splits_blocks", "rows_per_index"]

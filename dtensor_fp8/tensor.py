@@ -21,6 +21,7 @@ anything else raises with the fix.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 
 import torch
@@ -224,10 +225,7 @@ class QuantizedTensor(torch.Tensor):
     @property
     def rows_per_index(self) -> int:
         """Plane rows per index along dim 0 (1 for a 2-D tensor; ``out`` for an ``[E, out, in]`` one)."""
-        n = 1
-        for s in self.shape[1:-1]:
-            n *= s
-        return n
+        return math.prod(self.shape[1:-1])
 
     def as_matrix(self) -> "QuantizedTensor":
         """This tensor as the 2-D matrix its planes hold (leading dims flattened into rows; see the
