@@ -6,7 +6,7 @@ its export, a test oracle for its scale shapes)."""
 
 from __future__ import annotations
 
-from .base import Recipe
+from .base import Recipe, RecipeError
 from .blockwise import Blockwise
 from .mxfp8 import MXFP8
 from .per_tensor import CurrentScaling, DelayedScaling
@@ -22,3 +22,22 @@ RECIPE_CLASSES: dict[type[Recipe], tuple[Recipe, ...]] = {
 
 #: Each registered recipe with TE's defaults, by its ``name``.
 RECIPES: dict[str, Recipe] = {r.name: r for instances in RECIPE_CLASSES.values() for r in instances}
+
+
+def recipe_named(name: str, caller: str) -> Recipe:
+    """The registered recipe called ``name`` (a command line's or a config's string).
+
+    Args:
+        name: a key of :data:`RECIPES`.
+        caller: who asks, for the error (e.g. ``"FP8ParameterConverter"``).
+
+    Raises:
+        RecipeError: ``name`` is not registered, naming the choices.
+
+    Example:
+        >>> recipe_named("mxfp8", "FP8ParameterConverter")
+        MXFP8(...)
+    """
+    if name not in RECIPES:
+        raise RecipeError(f"{caller}: unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[name]

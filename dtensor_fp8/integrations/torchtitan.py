@@ -65,21 +65,13 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.config.override import derive
 from torchtitan.models.common.linear import Linear
 
-from ..formats import RECIPES
+from ..formats.registry import recipe_named
 from ..formats.base import RecipeError
 from ..module import quantize_module_
 from ..optim import MasterWeightOptimizer
 from ..placement import local_tensor
 from ..entry import RECIPE_FIELD_BYTES, RECIPE_KEY, recipe_from_tensor, recipe_tensor
 from ..tensor import QuantizedTensor
-
-#: length of the recipe-config field in a torchtitan state dict (the JSON, zero-padded)
-
-
-def _recipe(name: str):
-    if name not in RECIPES:
-        raise RecipeError(f"FP8ParameterConverter: unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
-    return RECIPES[name]
 
 
 class FP8ParameterLinear(Linear):
@@ -105,7 +97,7 @@ class FP8ParameterLinear(Linear):
         super().__init__(config)
         # Registered before quantize_module_'s own hooks on loading, after them on saving.
         self.register_load_state_dict_pre_hook(_gather_fp8_entries)
-        quantize_module_(self, _recipe(config.recipe))
+        quantize_module_(self, recipe_named(config.recipe, "FP8ParameterConverter"))
         self.register_state_dict_post_hook(_flatten_fp8_entries)
 
 
@@ -133,7 +125,7 @@ class FP8ParameterConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        self.recipe = _recipe(config.recipe)
+        self.recipe = recipe_named(config.recipe, "FP8ParameterConverter")
 
     def convert(self, model_config):
         """The model config with every selected ``Linear.Config`` swapped, or a :class:`RecipeError`

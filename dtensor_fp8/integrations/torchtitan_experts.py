@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 from torchtitan.models.common.moe import GroupedExperts
 
-from ..formats import RECIPES
+from ..formats.registry import recipe_named
 from ..formats.base import RecipeError
 from ..formats.experts import per_expert
 from ..grouped_mm import grouped_mm
@@ -60,9 +60,7 @@ def fp8_grouped_experts_cls(base: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             names = _expert_weights(self)
-            if config.recipe not in RECIPES:
-                raise RecipeError(f"FP8ParameterConverter: unknown recipe {config.recipe!r}; choose one of {sorted(RECIPES)}")
-            quantize_module_(self, RECIPES[config.recipe], filter_fn=lambda m, fqn: False,
+            quantize_module_(self, recipe_named(config.recipe, "FP8ParameterConverter"), filter_fn=lambda m, fqn: False,
                              experts=lambda m, fqn: names if m is self else ())
 
         def _grouped_mm(self, *, A, B_t, offs):
