@@ -3,7 +3,7 @@
 # them; the test sessions run niced, so the host-bound benchmark keeps its core):
 #   gpu_suite    tests/gpu (TE, Triton, CUDA graphs, FP8 GEMMs)
 #   nccl_suite   the distributed suite over NCCL at one rank per GPU (the README's command)
-#   gloo_cuda    the schedule / pipeline / owner-write / split-block files with CUDA tensors at world sizes 2 and 4 (8),
+#   gloo_cuda    the schedule / pipeline / owner-write / split-block / expert files with CUDA tensors at world sizes 2 and 4 (8),
 #                every rank on cuda:0 (collectives staged through host memory, tests/staging_backend.py)
 #   convergence  the convergence benchmark (docs/benchmarks.md)
 #   speed        linear_step's step time: the 102 M byte-lm shape, then the Llama3-8B shape with memory at
@@ -76,7 +76,8 @@ wants nccl_suite && part nccl_suite "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTEN
 wants gloo_cuda && part gloo_cuda "$SUITE_S" nice -n 10 "${TESTS_ENV[@]}" DTENSOR_FP8_TEST_BACKEND=gloo-cuda \
   DTENSOR_FP8_TEST_WORLD_SIZES=2,4 "${PYTEST[@]}" -n 4 --dist loadfile --junitxml="$OUT/gloo_cuda.xml" \
   tests/test_pipeline.py tests/test_pipeline_checkpoint.py tests/test_schedules.py tests/test_owner_writes.py \
-  tests/test_split_blocks.py tests/test_tp_split_blocks.py tests/test_layouts_benchmark.py &
+  tests/test_split_blocks.py tests/test_tp_split_blocks.py tests/test_layouts_benchmark.py \
+  tests/test_experts_fsdp.py tests/test_experts_optim.py &
 # The benchmark's defaults are the GPU run (6 rows x seeds 0,1,2 on 6 worker processes sharing the GPU and the cores):
 # run it alone (PARTS=convergence) for its figures; beside the test parts it competes with them for the cores.
 wants convergence && part convergence "$BENCH_S" python3 -m dtensor_fp8.benchmarks convergence \
