@@ -101,7 +101,7 @@ def test_grouped_mm_one_process():
     x, counts, upstream = inputs()
     for name in NAMES:
         recipe = d.RECIPES[name]
-        plain = Experts()
+        plain = Experts().to(DEVICE)
         full = {n: per_expert_values(getattr(plain, n).detach(), recipe) for n in ("w1", "w2", "w3")}
         model = fp8_experts(recipe)
         xx = x.clone().requires_grad_()
@@ -153,7 +153,7 @@ def _dtensor_experts(name):
 
     recipe = d.RECIPES[name]
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    w = Experts().w1.detach()
+    w = Experts().w1.detach().to(DEVICE)
     full = d.quantize(w, d.per_expert(recipe, w.shape))
     dt = d.distribute_quantized(full, init_device_mesh(DEVICE, (world,)), [Shard(0)])
     local = dt.to_local()
@@ -183,7 +183,7 @@ def _fsdp_experts(name):
     and x.grad is exactly the one-process reference reading the columnwise planes."""
     recipe = d.RECIPES[name]
     world = torch.distributed.get_world_size()
-    plain = Experts()
+    plain = Experts().to(DEVICE)
     full = {n: per_expert_values(getattr(plain, n).detach(), recipe) for n in ("w1", "w2", "w3")}
     full_bytes = {n: d.quantize(getattr(plain, n).detach(), d.per_expert(recipe, getattr(plain, n).shape))
                   for n in ("w1", "w2", "w3")}
@@ -232,7 +232,7 @@ def _wire_bytes(name):
     model = Experts()
     numel = sum(p.numel() for p in model.parameters())
     if name == "bf16":
-        model = model.to(torch.bfloat16)
+        model = model.to(DEVICE, torch.bfloat16)
     else:
         model = fp8_experts(d.RECIPES[name])
     fully_shard(model, mesh=init_device_mesh(DEVICE, (torch.distributed.get_world_size(),)), reshard_after_forward=True)

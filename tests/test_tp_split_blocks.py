@@ -151,7 +151,7 @@ def _meta_built(recipe_name):
 
 @pytest.mark.parametrize("recipe_name", BLOCK_RECIPES)
 def test_meta_built_tp_shards_inside_blocks_are_the_quantized_init(pools, recipe_name):
-    pools[2].run(_meta_built, recipe_name)
+    pools[_ranks(2)].run(_meta_built, recipe_name)
 
 
 # ---- TP x FSDP2 training --------------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def _refusals(recipe_name):
 
 @pytest.mark.parametrize("recipe_name", ["mxfp8", "blockwise2d"])
 def test_dim1_gathers_of_split_shards_are_refused_with_the_fix(pools, recipe_name):
-    pools[2].run(_refusals, recipe_name)
+    pools[_ranks(2)].run(_refusals, recipe_name)
 
 
 # ---- the FP8 GEMM's operands for a piece starting inside its blocks (no process group) ---------------------
