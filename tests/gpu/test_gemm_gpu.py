@@ -301,7 +301,9 @@ def test_a_piece_starting_inside_blocks_runs_fp8_gemms_on_padded_operands(name):
         with gemm.fp8_gemms("auto"), gemm.recording() as log:
             y = F.linear(xp, piece)
             y.backward(dyp)
-        assert [e["gemm"] for e in log] == ["fprop", "dgrad", "wgrad"], f"{name}: not the FP8 GEMMs"
+        assert [e["gemm"] for e in log] == ["fprop", "dgrad", "wgrad"], \
+            f"{name} (dim {dim}): not the FP8 GEMMs: {[e['gemm'] for e in log]}"
+        assert piece.grad is not None, f"{name} (dim {dim}): no weight gradient on the piece (leaf {piece.is_leaf})"
         ops = {e["gemm"]: e for e in log}
         # 1x128 / MXFP8: one plane's blocks are split (rowwise along K, columnwise along M), the other's not
         assert any(any(recipe.usage_phase(u, piece.phase)) for u in ("rowwise", "columnwise"))
