@@ -36,8 +36,9 @@ A weight that is a piece of a larger one (a tensor-parallel shard run on its own
 ``F.linear(x, w.to_local())``) may start inside its scaling blocks (``QuantizedTensor.phase``):
 its scale grid holds the scale of every block it touches, but its block grid is offset from its
 origin, and torch's block-scaled GEMMs read blocks from the operand's origin. Each GEMM that reads
-the weight pads the weight's plane in front with zero FP8 rows / columns to whole blocks
-(:meth:`Recipe.aligned_plane`: an FP8 copy, never a high-precision one) and pads the other
+the weight pads the weight's plane in front with zero FP8 rows / columns to whole blocks of every
+plane (one front for all GEMMs, :meth:`Recipe.gemm_front`, so their dims stay multiples of the
+blocks; :meth:`Recipe.aligned_plane`: an FP8 copy, never a high-precision one) and pads the other
 operand the same way along the contracted dim (zeros, before it is quantized, so its blocks line
 up with the weight's): the zeros contribute nothing to the contraction, and the extra output rows
 or columns (the padding of the weight's other dim) are cut off. The alternative, splitting the
@@ -235,21 +236,15 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     # A piece starting inside its blocks runs on operands padded to whole blocks (see the note on
     # shards that start inside blocks): the GEMMs' dims are the padded ones.
-    phase = weight.phase
-    fronts = sorted({weight.recipe.usage_phase(u, phase) for u in (ROWWISE, COLUMNWISE)}) if any(phase) else ((0, 0),)
-    for front in fronts:
-        key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0] + front[0], weight.shape[1] + front[1],
-               x.dtype, weight.dtype)
-        if any(isinstance(v, torch.SymInt) for v in key[3:6]):
-            # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
-            # SymInt cannot key the cache; the same checks uncached, their divisibility tests guards.
-            why = _unsupported.__wrapped__(*key)
-        else:
-            # Called at every F.linear: the answer depends only on these, so it is computed once for them.
-            why = _unsupported(*key)
-        if why is not None:
-            return why
-    return None
+    front = weight.recipe.gemm_front(weight.phase) if any(weight.phase) else (0, 0)
+    key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0] + front[0], weight.shape[1] + front[1],
+           x.dtype, weight.dtype)
+    if any(isinstance(v, torch.SymInt) for v in key[3:6]):
+        # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
+        # SymInt cannot key the cache; the same checks uncached, their divisibility tests guards.
+        return _unsupported.__wrapped__(*key)
+    # Called at every F.linear: the answer depends only on these, so it is computed once for them.
+    return _unsupported(*key)
 
 
 def _has_operand_state(recipe, device) -> bool:
@@ -366,7 +361,8 @@ class _FP8Linear(torch.autograd.Function):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         # A weight starting inside its blocks: whole-block operands (see the note above).
-        w_plane, front = weight.recipe.aligned_plane(weight.plane(ROWWISE), ROWWISE, weight.phase)
+        front = weight.recipe.gemm_front(weight.phase)
+        w_plane, _ = weight.recipe.aligned_plane(weight.plane(ROWWISE), ROWWISE, weight.phase, front)
         states = _states(weight, x.device)
         planes, new_state = _quantize_padded(g.input, x2, front[1], rowwise=True, columnwise=needs_wgrad,
                                              state=states.get("input"))
@@ -399,7 +395,8 @@ class _FP8Linear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         front = (0, 0)
         if need_dx:  # raises with the fix when the gather did not bring the columnwise plane
-            w_plane, front = w_recipe.aligned_plane(weight.plane(COLUMNWISE), COLUMNWISE, weight.phase)
+            front = w_recipe.gemm_front(weight.phase)
+            w_plane, _ = w_recipe.aligned_plane(weight.plane(COLUMNWISE), COLUMNWISE, weight.phase, front)
         if need_dx or need_dw:
             states = _states(weight, dy.device)
             planes, new_state = _quantize_padded(g.grad, dy, front[0], rowwise=need_dx, columnwise=need_dw,

@@ -313,6 +313,18 @@ def test_aligned_plane_pads_fp8_zeros_in_front(recipe_name):
             assert_bytes_equal(aligned.data[front[0]:, front[1]:], plane.data, f"{usage} bytes")
             values = recipe.decode(aligned.data, aligned.scale_inv, usage, torch.float32)[front[0]:, front[1]:]
             assert torch.equal(values, q.dequantize(torch.float32, usage).narrow(dim, start, 256 - start))
+        # one front for every GEMM of the piece (gemm_front): a plane whose blocks are single rows /
+        # columns along the split dim gets whole blocks in front too, each scaling zeros
+        front = recipe.gemm_front(piece.phase)
+        for usage, plane in piece.planes.items():
+            aligned, got = recipe.aligned_plane(plane, usage, piece.phase, front)
+            assert got == front and aligned.data.shape == (plane.data.shape[0] + front[0], plane.data.shape[1] + front[1])
+            assert not aligned.data.view(torch.uint8)[: front[0]].any() and not aligned.data.view(torch.uint8)[:, : front[1]].any()
+            values = recipe.decode(aligned.data, aligned.scale_inv, usage, torch.float32)
+            assert not values[: front[0]].any() and not values[:, : front[1]].any()
+            assert torch.equal(values[front[0]:, front[1]:], q.dequantize(torch.float32, usage).narrow(dim, start, 256 - start))
+        with pytest.raises(d.RecipeError, match="whole blocks"):
+            recipe.aligned_plane(piece.planes["rowwise"], "rowwise", piece.phase, (front[0] + 3, front[1] + 3))
     # a shard starting on a block boundary is not copied
     top = slice_quantized(q, 0, 0, 128)
     plane = top.planes["rowwise"]

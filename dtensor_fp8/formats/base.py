@@ -425,18 +425,37 @@ class Recipe(abc.ABC):
             return self.dequantize_plane(plane, usage, dtype)
         return self.decode(aligned.data, aligned.scale_inv, usage, dtype)[front[0]:, front[1]:].contiguous()
 
-    def aligned_plane(self, plane: Plane, usage: str, phase: tuple[int, int] = (0, 0)) -> tuple[Plane, tuple[int, int]]:
+    def gemm_front(self, phase: tuple[int, int]) -> tuple[int, int]:
+        """The zero rows / columns every FP8 GEMM of a piece at ``phase`` puts in front of its
+        operands: the largest :meth:`usage_phase` of its planes. One front for all planes keeps the
+        GEMMs' dims the same whole-block sizes, also where one plane's blocks are single rows or
+        columns along a dim (1x128's rowwise plane along dim 0) and the other's are not: torch's
+        block-scaled GEMMs want every dim a multiple of 128.
+
+        Example:
+            >>> Blockwise(block_dims=1).gemm_front((64, 0))   # the columnwise plane's 128-row blocks
+            (64, 0)
+        """
+        fronts = [self.usage_phase(u, phase) for u in USAGES]
+        return tuple(max(f[d] for f in fronts) for d in (0, 1))
+
+    def aligned_plane(self, plane: Plane, usage: str, phase: tuple[int, int] = (0, 0),
+                      front: tuple[int, int] | None = None) -> tuple[Plane, tuple[int, int]]:
         """The plane of a piece at ``phase`` as the plane of a matrix whose blocks start at its
         origin: ``front`` zero FP8 rows / columns before its first ones (the byte 0 is +0 in every
-        FP8 format), the same scale grid (it already holds the scale of every block the piece
-        touches). A GEMM reads it as a whole-block operand: the zeros contribute nothing to a
-        contraction, and the ``front`` extra output rows / columns are cut off by the caller
-        (``gemm.py``'s note on shards that start inside blocks). No copy at phase 0.
+        FP8 format). Its scale grid already holds the scale of every block the piece touches; a
+        ``front`` beyond the plane's own phase (:meth:`gemm_front`) adds whole blocks in front, each
+        with a copy of the first scale (they scale zeros). A GEMM reads it as a whole-block operand:
+        the zeros contribute nothing to a contraction, and the ``front`` extra output rows / columns
+        are cut off by the caller (``gemm.py``'s note on shards that start inside blocks). No copy
+        when ``front`` is zero.
 
         Args:
             plane: the piece's plane.
             usage: the plane's usage (its blocks).
             phase: the piece's block phase (``QuantizedTensor.phase``).
+            front: the zeros to put in front (default: the plane's own :meth:`usage_phase`); each
+                dim's excess over it a whole number of the plane's blocks.
 
         Returns:
             ``(plane, front)``: ``front`` is ``(rows, cols)`` of zeros in front.
@@ -446,11 +465,24 @@ class Recipe(abc.ABC):
             >>> front, aligned.data.shape[0] == piece.shape[0] + 64
             ((64, 0), True)
         """
-        front = self.usage_phase(usage, phase)
+        own = self.usage_phase(usage, phase)
+        front = own if front is None else tuple(front)
         if not any(front):
             return plane, front
         data = _pad_front(plane.data.view(torch.uint8), front).view(plane.data.dtype)
-        return Plane(data, plane.scale_inv), front
+        block = self.block_shape(usage)
+        grid_front = []
+        for d in (0, 1):
+            extra, extent = front[d] - own[d], block.extent(d)
+            if extra and extent is not None and (extra < 0 or extra % extent):
+                raise RecipeError(f"{self.name}: a front of {front[d]} along dim {d} is not the {usage} plane's phase "
+                                  f"{own[d]} plus whole blocks of {extent}; use gemm_front(phase)")
+            grid_front.append(0 if not extra or extent is None else extra // extent)  # None: one scale along d
+        scale_inv = plane.scale_inv
+        if any(grid_front):
+            scale_inv = torch.cat([scale_inv[:1].expand(grid_front[0], -1), scale_inv], 0)
+            scale_inv = torch.cat([scale_inv[:, :1].expand(-1, grid_front[1]), scale_inv], 1)
+        return Plane(data, scale_inv), front
 
     # ---- transpose cache (TE's physical layout for transpose-derived recipes) -------------------
     def transpose_cache(self, plane: Plane) -> torch.Tensor:

@@ -281,9 +281,10 @@ def test_row_major_1x128_scale_is_refused_in_eager(name):
 @pytest.mark.parametrize("name", ["block2d", "block1d", "mxfp8"])
 def test_a_piece_starting_inside_blocks_runs_fp8_gemms_on_padded_operands(name):
     """A tensor-parallel piece of a weight that starts 64 rows (ColwiseParallel) or 64 columns
-    (RowwiseParallel) into its blocks, run with ``F.linear`` on the piece itself (gemm.py's note on
-    shards that start inside blocks): the weight operands are its FP8 bytes behind zero bytes up to
-    the block boundary (its scale grid as stored), the activation / gradient operands are the
+    (RowwiseParallel) into its blocks (16 for MXFP8's 32), run with ``F.linear`` on the piece itself
+    (gemm.py's note on shards that start inside blocks): the weight operands are its FP8 bytes behind
+    zero bytes up to the block boundary of every plane (``Recipe.gemm_front``: 1x128's rowwise plane
+    is padded with whole rows too, so the GEMM's dims stay multiples of 128), the activation / gradient operands are the
     recipes' bytes of the input padded with zeros, and every output is the product of those
     operands with the padding's rows / columns cut off; the forward agrees with the emulated linear
     on the piece to the FP8 activations' rounding."""
@@ -293,10 +294,11 @@ def test_a_piece_starting_inside_blocks_runs_fp8_gemms_on_padded_operands(name):
     recipe = RECIPES[name]
     w, x, dy = _inputs(5)
     q = d.quantize(w, recipe)
-    for dim, start in ((0, 64), (1, 64)):
+    offset = 16 if name == "mxfp8" else 64
+    for dim, start in ((0, offset), (1, offset)):
         piece = slice_quantized(q, dim, start, q.shape[dim]).requires_grad_(True)
-        assert piece.phase[dim] == 64
-        xp = (x if dim == 0 else x[:, start:]).contiguous().requires_grad_(True)
+        assert piece.phase[dim] == start
+        xp = (x if dim == 0 else x[:, start:]).clone().requires_grad_(True)  # a leaf of its own each time
         dyp = (dy[:, start:] if dim == 0 else dy).contiguous()
         with gemm.fp8_gemms("auto"), gemm.recording() as log:
             y = F.linear(xp, piece)
@@ -305,18 +307,19 @@ def test_a_piece_starting_inside_blocks_runs_fp8_gemms_on_padded_operands(name):
             f"{name} (dim {dim}): not the FP8 GEMMs: {[e['gemm'] for e in log]}"
         assert piece.grad is not None, f"{name} (dim {dim}): no weight gradient on the piece (leaf {piece.is_leaf})"
         ops = {e["gemm"]: e for e in log}
-        # 1x128 / MXFP8: one plane's blocks are split (rowwise along K, columnwise along M), the other's not
+        # 1x128 / MXFP8: one plane's blocks are split (rowwise along K, columnwise along M), the other's not;
+        # every GEMM pads to the largest front (gemm_front), so its dims stay multiples of 128
         assert any(any(recipe.usage_phase(u, piece.phase)) for u in ("rowwise", "columnwise"))
+        front = recipe.gemm_front(piece.phase)
+        assert front[dim] == start, front
         for gm, usage in (("fprop", "rowwise"), ("dgrad", "columnwise")):
-            front = recipe.usage_phase(usage, piece.phase)
             b = ops[gm]["b"].data.view(torch.uint8)
             stored = piece.plane(usage).data.view(torch.uint8)
             # the operand contracts dim 1 of its (rows, k) bytes: the plane, or its transpose for dgrad
             padded = b if gm == "fprop" else b.t()
             assert_bytes_equal(padded[front[0]:, front[1]:], stored, f"{name}/{gm}: the piece's bytes")
             assert not padded[: front[0]].any() and not padded[:, : front[1]].any(), f"{name}/{gm}: zero padding"
-        fronts = {u: recipe.usage_phase(u, piece.phase) for u in ("rowwise", "columnwise")}
-        cuts = {"fprop": (0, fronts["rowwise"][0]), "dgrad": (0, fronts["columnwise"][1]), "wgrad": (0, 0)}
+        cuts = {"fprop": (0, front[0]), "dgrad": (0, front[1]), "wgrad": (0, 0)}
         for gm, got in (("fprop", y), ("dgrad", xp.grad), ("wgrad", piece.grad)):
             e = ops[gm]
             ref = (_dequant(e["a"]) @ _dequant(e["b"]).t())[:, cuts[gm][1]:]
