@@ -414,9 +414,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"master_dtype={dtype}, groups={len(self.param_groups)})")
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _fqn_of(self, p) -> str:
-        return self._parts.fqn.get(p, "<parameter>")
-
     def _check_masters_linked(self, what: str) -> None:
         """Refuse to act once a later optimizer took over these masters (optim_masters.py)."""
         check_masters_linked(self.__dict__.get("_ownership"), what)

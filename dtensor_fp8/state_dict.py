@@ -51,9 +51,9 @@ from .entry import RECIPE_KEY, plane_key
 from .formats.base import Plane, RecipeError, as_matrix_shape
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState
-from .placement import like, local_tensor, shard_dim
+from .placement import like, local_slice, local_tensor, shard_dim
 from . import groups
-from .requantize import local_slice, split_blocks
+from .groups import split_blocks
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 
@@ -375,5 +375,11 @@ def hp_targets(model: nn.Module) -> dict:
         _EXPORT.reset(token)
 
 
-def _is_fp8(t) -> bool:
+def is_fp8(t) -> bool:
+    """Whether ``t`` is an FP8 parameter: a :class:`QuantizedTensor`, or a DTensor of one.
+
+    Example:
+        >>> is_fp8(model.w1.weight), is_fp8(model.norm.weight)
+        (True, False)
+    """
     return isinstance(t, torch.Tensor) and isinstance(local_tensor(t), QuantizedTensor)
