@@ -44,7 +44,7 @@ Group = dist.ProcessGroup
 def _layout(p: torch.Tensor):
     """The :class:`Layout` of a DTensor, or the one its owner record is bound to, or ``None``.
 
-    A local shard binds its record from the parameter the record says it is (``FP8ParamState.home``,
+    A local shard binds its record from the parameter the record says it is (``FP8ParamState.links.home``,
     set by ``quantize_module_``) when that parameter is a DTensor over the same record, and binds it
     again when that parameter was laid out anew since (``fully_shard`` after ``parallelize_module``):
     a ``copy_`` into a weight right after ``fully_shard``, before any optimizer or gather saw it,

@@ -179,7 +179,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
                          "(an optimizer over another model, or an older one?): pass the MasterWeightOptimizer that "
                          "trains this model" for k, t in targets.items()
                          if k in state_dict and is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None
-                         and local_tensor(t).param_state.master_tensor() is not None]
+                         and local_tensor(t).param_state.links.master_tensor() is not None]
         if strict and (missing or unexpected):
             problems.append(
                 "the source does not match the model: "

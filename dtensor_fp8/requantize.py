@@ -89,7 +89,7 @@ class AmaxReduction:
 def requantize_from_hp_(items) -> None:
     """Requantize FP8 parameters in place from high-precision local shards; a stateful recipe
     (delayed scaling) updates the weight scaling state in each parameter's owner record
-    (``param_state.weight_scaling``, created from the current scale if it has none yet).
+    (``param_state.scaling.weight``, created from the current scale if it has none yet).
 
     Args:
         items: ``(name, param, hp_local)``; ``param`` is a QuantizedTensor or a DTensor of one,
@@ -129,7 +129,7 @@ class _RequantizePlan:
                 continue
             plane = q.planes[usage]
             # Kept in the owner record from now on and updated in place by run().
-            state = q.param_state.weight_state(q.recipe, usage, plane)
+            state = q.param_state.scaling.weight_state(q.recipe, usage, plane)
             # hp as the plane's matrix (a weight of more than two dims: its leading dims flattened)
             self.batches.setdefault((q.recipe, usage), []).append((i, hp.reshape(plane.data.shape), plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in self.jobs))
@@ -172,7 +172,7 @@ def _fingerprint(items) -> tuple:
         out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
         for usage, plane in q.planes.items():
             out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
-            state = q.param_state.weight_scaling.get(usage)
+            state = q.param_state.scaling.weight.get(usage)
             if state is not None:
                 out += [t.data_ptr() for t in state.values()]
     return tuple(out)
