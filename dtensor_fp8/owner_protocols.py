@@ -24,13 +24,14 @@ slot of the record          Protocol                        implemented by      
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: this module imports nothing of the package
-    from .formats.base import Plane
-    from .tensor import QuantizedTensor
+from .formats.base import Plane
+
+# A QuantizedTensor is annotated as the torch.Tensor it is: this module sits below tensor.py (whose
+# owner record holds these slots), so it does not import it, not even for annotations.
 
 
 class ParameterHome(Protocol):
@@ -54,7 +55,7 @@ class PlaneCompletion(Protocol):
     (``FP8ParamState.gather.gathered``; ``fsdp_completion.GatheredWeight``): a read of the other plane
     on the unsharded weight completes it, all-gathering that plane over FSDP2's group."""
 
-    def complete_(self, tensor: QuantizedTensor, usage: str) -> bool:
+    def complete_(self, tensor: torch.Tensor, usage: str) -> bool:
         """Give ``tensor`` (the unsharded weight of this gather, or an alias of it) the plane serving
         ``usage``: ``True`` if it now holds it, ``False`` if ``tensor`` is no such weight."""
 
@@ -75,12 +76,12 @@ class UnshardedView(Protocol):
         (views of FSDP's all-gather buffers) of a weight of the padded ``shape`` (``orig_rows``:
         its rows before padding), serving ``usages``, of nominal ``dtype``."""
 
-    def views_shard(self, shard: QuantizedTensor) -> bool:
+    def views_shard(self, shard: torch.Tensor) -> bool:
         """Whether a one-rank gather of ``shard`` can hand out a view of the shard itself (then
         nothing is sent and :meth:`from_shard` is called instead of the view). The same answer
         for both directions: FSDP sizes its all-gather outputs once per weight."""
 
-    def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
+    def from_shard(self, shard: torch.Tensor, usages: tuple[str, ...], dtype: torch.dtype, out):
         """A one-rank gather where :meth:`views_shard` said so: the unsharded parameter over
         ``shard``'s own planes, serving ``usages``."""
 
