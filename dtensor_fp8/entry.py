@@ -18,7 +18,7 @@ beside the inner optimizer's own keys; torch names modules' opaque state ``"_ext
 Every reader and writer of these names asks this module: the state-dict hook, the owner record's
 scaling state, the optimizer's load, the DCP loader (old layouts included), the high-precision
 loaders and torchtitan's flattening. To add a field to the entry: write it in
-``state_dict.plane_entries`` (or the owner record's ``entries()``), and if a checkpoint written before
+``state_dict.plane_entries`` (or the owner record's ``scaling.entries()``), and if a checkpoint written before
 it lacks it, teach :func:`is_scaling_state_entry` (or its own predicate here) so loads name it
 missing instead of torn.
 """

@@ -38,7 +38,7 @@ from .agreement import _agreement_group, agree_over
 from .formats.base import ROWWISE, RecipeError
 from .entry import plane_key
 from .placement import local_tensor
-from .state_dict import _is_fp8, hp_targets, plane_entries
+from .state_dict import is_fp8, hp_targets, plane_entries
 
 #: the Hugging Face FP8 layout's block (transformers' default ``weight_block_size``)
 HF_BLOCK = (128, 128)
@@ -140,7 +140,7 @@ def _plan(model: nn.Module, targets: dict, key_map, path: str, dtype: torch.dtyp
         if not isinstance(target, torch.Tensor):
             problems.append(f"{key}: a module's extra state ({type(target).__name__}), which safetensors cannot hold")
             continue
-        if not _is_fp8(target):
+        if not is_fp8(target):
             entries[name] = (target.detach(), ("cast", dtype) if target.is_floating_point() else ("as_is",))
             continue
         recipe = local_tensor(target).recipe
@@ -168,7 +168,7 @@ def _plan(model: nn.Module, targets: dict, key_map, path: str, dtype: torch.dtyp
                           "export_hp_state_dict")
     for fqn, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and not _is_fp8(weight):
+        if isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and not is_fp8(weight):
             kept_hp.append(key_map(f"{fqn}.weight").removesuffix(".weight"))
     block = sizes.pop()
     quantization = {"quant_method": "fp8", "activation_scheme": "dynamic",

@@ -97,16 +97,16 @@ import inspect
 import math
 import warnings
 import weakref
-from typing import Protocol
 
 import torch
 
 from . import _compat
-from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane, RecipeError
+from .formats.base import COLUMNWISE, ROWWISE, USAGES, RecipeError
 from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, join_side_outputs, pack,
                            planes_from_outputs, served_usages, split_side_inputs, unpack)
 from .fsdp_completion import GatheredWeight
 from .ops.slicing import slice_quantized
+from .owner_protocols import UnshardedView  # noqa: F401  (re-exported: fsdp.UnshardedView)
 from .tensor import QuantizedTensor
 
 
@@ -116,32 +116,6 @@ from .tensor import QuantizedTensor
 # unsharded view, the transpose cache) is the parameter's: its owner record holds it (``QuantizedTensor.param_state.
 # gather``, a ``param_state.GatherState``, shared by the shard and the unsharded weight). Nothing
 # is kept on FSDP's objects or in maps here.
-
-
-class UnshardedView(Protocol):
-    """What FSDP2 gathers of a module's FP8 weights hand out as the unsharded parameter, where that
-    is not a :class:`QuantizedTensor` (registered with :func:`register_unsharded_view`; ``te.py``'s
-    ``TEUnshardedView`` builds TE tensors that TE's GEMMs read). ``fsdp_post_all_gather`` calls it.
-
-    Every method follows FSDP2's post-all-gather contract: at the first gather (``out is None``) it
-    returns ``(tensor, inner_tensors_to_free)``; at later ones it updates ``out`` (the same object,
-    a DTensor over the tp mesh under tensor parallelism) in place and returns ``None``.
-    """
-
-    def __call__(self, planes: dict[str, Plane], recipe, shape: tuple[int, int], dtype: torch.dtype,
-                 usages: tuple[str, ...], out, orig_rows: int):
-        """A gather over several ranks: the unsharded parameter over the gathered ``planes``
-        (views of FSDP's all-gather buffers) of a weight of the padded ``shape`` (``orig_rows``:
-        its rows before padding), serving ``usages``, of nominal ``dtype``."""
-
-    def views_shard(self, shard: QuantizedTensor) -> bool:
-        """Whether a one-rank gather of ``shard`` can hand out a view of the shard itself (then
-        nothing is sent and :meth:`from_shard` is called instead of the view). The same answer
-        for both directions: FSDP sizes its all-gather outputs once per weight."""
-
-    def from_shard(self, shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out):
-        """A one-rank gather where :meth:`views_shard` said so: the unsharded parameter over
-        ``shard``'s own planes, serving ``usages``."""
 
 
 def register_unsharded_view(module: torch.nn.Module, view: UnshardedView) -> None:

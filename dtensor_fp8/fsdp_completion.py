@@ -37,10 +37,11 @@ from . import _compat
 from .formats.base import USAGES, Plane, RecipeError
 from .fsdp_buffers import GatherMetadata, gather_inputs, gather_plan, planes_from_outputs
 from .ops.slicing import slice_quantized
+from .owner_protocols import PlaneCompletion
 from .tensor import QuantizedTensor
 
 
-class GatheredWeight:
+class GatheredWeight(PlaneCompletion):
     """One gather over several ranks that brought one plane of a recipe storing two, kept in the
     owner record (``param_state.gather.gathered``) until the next gather: a read of the other plane
     from the unsharded weight completes it here (see the note above).

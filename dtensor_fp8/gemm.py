@@ -319,7 +319,7 @@ def note_fallback(reason: str, x: torch.Tensor, weight, *, subject: str | None =
 
 def _states(weight, device) -> dict:
     """The operand scaling states of ``weight``'s parameter (its owner record's)."""
-    return weight.param_state.ensure_operand_states(weight.recipe, device)
+    return weight.param_state.scaling.ensure_operand_states(weight.recipe, device)
 
 
 def operand_states(weight) -> dict:

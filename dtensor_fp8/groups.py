@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .layout import Layout, dim_pieces, shard_dim, splits_blocks  # noqa: F401  (re-exported)
+from .layout import Layout, SplitBlocks, dim_pieces, rows_per_index, shard_dim, split_starts, splits_blocks  # noqa: F401  (re-exported)
 from .tensor import QuantizedTensor
 
 Group = dist.ProcessGroup
@@ -44,7 +44,7 @@ Group = dist.ProcessGroup
 def _layout(p: torch.Tensor):
     """The :class:`Layout` of a DTensor, or the one its owner record is bound to, or ``None``.
 
-    A local shard binds its record from the parameter the record says it is (``FP8ParamState.home``,
+    A local shard binds its record from the parameter the record says it is (``FP8ParamState.links.home``,
     set by ``quantize_module_``) when that parameter is a DTensor over the same record, and binds it
     again when that parameter was laid out anew since (``fully_shard`` after ``parallelize_module``):
     a ``copy_`` into a weight right after ``fully_shard``, before any optimizer or gather saw it,
@@ -103,6 +103,48 @@ def weight_groups(p: torch.Tensor, spans: Callable[[int], bool]) -> tuple[Group,
     mesh, placements, _ = layout
     return tuple(mesh.get_group(i) for i, pl in enumerate(placements)
                  if (d := shard_dim(pl)) is not None and spans(d) and mesh.size(i) > 1)
+
+
+def sharded_dims(p: torch.Tensor) -> set[int]:
+    """Tensor dims sharded over any mesh dim (a DTensor's, or those of the layout a local shard's
+    owner record is bound to: :func:`layout_of`).
+
+    Example:
+        >>> sharded_dims(model.w1.weight)   # after fully_shard
+        {0}
+    """
+    layout = _layout(p)
+    if layout is None:
+        return set()
+    return {d for d in map(shard_dim, layout[1]) if d is not None}
+
+
+def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
+    """:class:`~dtensor_fp8.layout.SplitBlocks` of the plane ``usage`` of the FP8 parameter ``p``
+    (a DTensor, or a local shard whose owner record is bound), or ``None`` when its shards hold
+    whole blocks.
+
+    Args:
+        p: the parameter.
+        usage: the stored plane (``"rowwise"`` / ``"columnwise"``).
+
+    Example:
+        >>> split_blocks(w, "rowwise")   # 128x128 blocks, a 256-row weight over 4 ranks, rank 1
+        SplitBlocks(first=(0, 0), total=(2, None), groups=(<ProcessGroup dp>,))
+    """
+    layout = _layout(p)
+    if layout is None:
+        return None
+    block = (p._local_tensor if isinstance(p, DTensor) else p).recipe.block_shape(usage)
+    starts = split_starts(layout, (block.extent(0), block.extent(1)))
+    if starts is None:
+        return None
+    dims = (0, len(layout.shape) - 1)  # the weight's dims holding the plane's rows and columns
+    extents = (layout.shape[0] * rows_per_index(layout), layout.shape[-1])
+    split = {dims[i] for i, s in enumerate(starts) if s is not None}
+    return SplitBlocks(tuple(0 if s is None else s // block.extent(i) for i, s in enumerate(starts)),
+                       tuple(None if s is None else -(-extents[i] // block.extent(i)) for i, s in enumerate(starts)),
+                       weight_groups(p, lambda d: d in split))
 
 
 def mesh_groups(params: Iterable[torch.Tensor]) -> tuple[Group, ...]:
@@ -173,4 +215,4 @@ def reduces(groups: Iterable[tuple[Group, ...]]) -> bool:
     return any(gs for gs in groups)
 
 
-__all__ = ["Layout", "dim_pieces", "splits_blocks", "bind_layout_", "layout_of", "weight_groups", "mesh_groups", "max_over_", "max_by_groups_", "reduces"]
+__all__ = ["Layout", "dim_pieces", "splits_blocks", "bind_layout_", "layout_of", "weight_groups", "sharded_dims", "split_blocks", "mesh_groups", "max_over_", "max_by_groups_", "reduces"]

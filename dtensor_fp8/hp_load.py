@@ -17,12 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .placement import local_tensor
+from .placement import local_slice, local_tensor
 from .param_writes import write_hp_values_
-from .requantize import local_slice
 from .agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
 from .entry import is_extra_state
-from .state_dict import _is_fp8, hp_targets
+from .state_dict import is_fp8, hp_targets
 from .tensor import QuantizedTensor
 
 
@@ -64,7 +63,7 @@ def value_problem(key: str, src, target, where: str = "") -> str | None:
     entry = f"entry {key!r}{where}"
     if is_extra_state(key) or not isinstance(target, torch.Tensor):
         return None  # a module's extra state: its module's set_extra_state judges it
-    fp8 = _is_fp8(target)
+    fp8 = is_fp8(target)
     kind = "FP8 weight" if fp8 else ("parameter" if isinstance(target, nn.Parameter) else "buffer")
     want_dtype = local_tensor(target).dtype
     if isinstance(src, dict) and fp8:
@@ -179,8 +178,8 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
             problems += [f"the FP8 weight {k}'s master is held by another MasterWeightOptimizer than the one passed "
                          "(an optimizer over another model, or an older one?): pass the MasterWeightOptimizer that "
                          "trains this model" for k, t in targets.items()
-                         if k in state_dict and _is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None
-                         and local_tensor(t).param_state.master_tensor() is not None]
+                         if k in state_dict and is_fp8(t) and not local_tensor(t).bytes_pending and master_of(t) is None
+                         and local_tensor(t).param_state.links.master_tensor() is not None]
         if strict and (missing or unexpected):
             problems.append(
                 "the source does not match the model: "

@@ -7,6 +7,7 @@ process-group code (``groups.py``) can all use it without importing each other.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -93,4 +94,46 @@ def rows_per_index(layout: Layout) -> int:
     return math.prod(layout.shape[1:-1])
 
 
-__all__ = ["Layout", "shard_dim", "dim_pieces", "splits_blocks", "rows_per_index"]
+class SplitBlocks(NamedTuple):
+    """A plane whose blocks are split between shards along dim 0 and/or dim 1 (FSDP2 at a degree
+    whose shards are not whole blocks; a tensor-parallel shard starting inside a block): where this
+    shard's blocks lie in the weight's block grid along each split dim, and the groups its block
+    amaxes reduce over (``groups.split_blocks`` makes it). Along a dim that no shard boundary splits
+    the grid is this shard's own (the ranks of :attr:`groups` hold the same blocks of that dim: a
+    mesh dim's group varies one coordinate only)."""
+
+    first: tuple[int, int]  # per dim: index, in the whole grid, of the first block this shard touches (0: not split)
+    total: tuple[int | None, int | None]  # per dim: blocks of the whole dim where split, None where not
+    groups: tuple
+
+    def whole(self, local):
+        """The grid whole along the split dims with this shard's ``local`` grid (of the blocks it
+        touches) in place, zeros elsewhere: what a MAX reduction over :attr:`groups` completes."""
+        shape = tuple(n if t is None else t for n, t in zip(local.shape, self.total))
+        out = local.new_zeros(shape)
+        out[self.first[0] : self.first[0] + local.shape[0], self.first[1] : self.first[1] + local.shape[1]] = local
+        return out
+
+    def touched(self, whole, grid: tuple[int, int]):
+        """The ``grid``-shaped part of ``whole`` holding the blocks this shard touches."""
+        return whole[self.first[0] : self.first[0] + grid[0], self.first[1] : self.first[1] + grid[1]]
+
+
+@functools.lru_cache(maxsize=4096)
+def split_starts(layout: Layout, blocks: tuple) -> tuple | None:
+    """Per plane dim (rows, columns), this rank's first plane row / column if ``layout``'s shards
+    split that dim's ``blocks[dim]``-long blocks (else ``None``); ``None`` when no dim is split (a
+    pure function of the layout, kept: each requantization asks it of every weight). A weight of
+    more than two dims has its leading dims flattened into plane rows (:func:`rows_per_index`).
+
+    Example:
+        >>> split_starts(layout_of(w), (128, 128))   # a 256-row weight over 4 ranks, rank 1
+        (64, None)
+    """
+    dims = (0, len(layout.shape) - 1)
+    starts = tuple(dim_pieces(layout, d)[0][0] * (rows_per_index(layout) if d == 0 else 1)
+                   if splits_blocks(layout, d, b) else None for d, b in zip(dims, blocks))
+    return None if all(s is None for s in starts) else starts
+
+
+__all__ = ["Layout", "shard_dim", "dim_pieces", "splits_blocks", "rows_per_index", "SplitBlocks", "split_starts"]

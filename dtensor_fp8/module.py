@@ -17,7 +17,6 @@ and one weight's transient.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -133,7 +132,7 @@ def quantize_module_(
                  for sub, attr, r in targets]
     for sub, attr, q in converted:  # nothing can fail from here on
         setattr(sub, attr, nn.Parameter(q, requires_grad=getattr(sub, attr).requires_grad))
-        q.param_state.home = (weakref.ref(sub), attr)  # where writes find its DTensor (groups.py)
+        q.param_state.links.set_home_(sub, attr)  # where writes find its DTensor (groups.py)
     for sub in {id(sub): sub for sub, _, _ in converted}.values():  # once per module (experts: several weights)
         register_state_dict_hooks(sub)
     if converted:
@@ -278,6 +277,6 @@ def finish_init_(model: nn.Module) -> list[str]:
         plane.data.copy_(fresh.data)
         plane.scale_inv.copy_(fresh.scale_inv)
     for _, _, q in pending:
-        q.param_state.reset_()  # states made before the bytes (on meta) start again from them
+        q.param_state.scaling.reset_()  # states made before the bytes (on meta) start again from them
         q.param_state.lifecycle.mark_made()
     return [name for name, _, _ in pending]

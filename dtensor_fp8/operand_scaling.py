@@ -60,7 +60,7 @@ def update_operand_scaling_(params: nn.Module | Iterable[torch.Tensor]) -> int:
             continue
         groups.bind_layout_(p)
         # Created if absent, so that every rank updates the same set (a rank's GEMMs may not have run).
-        states = q.param_state.ensure_operand_states(q.recipe, q.device)
+        states = q.param_state.scaling.ensure_operand_states(q.recipe, q.device)
         gemm = q.recipe.gemm_recipe()
         over = groups.mesh_groups([p])
         for name, operand in zip(OPERANDS, (gemm.input, gemm.grad)):

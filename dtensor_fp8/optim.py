@@ -178,7 +178,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for p in parts.masters:
             q = local_tensor(p)
             for usage, plane in q.planes.items():
-                q.param_state.weight_state(q.recipe, usage, plane)
+                q.param_state.scaling.weight_state(q.recipe, usage, plane)
         self._requantize = GraphedRequantize(cuda_graph)
         self.state = StateView(parts, self._materialize_state)
         parts.built_with = {"optimizer_cls": optimizer_cls, "master_dtype": master_dtype, "cuda_graph": cuda_graph,
@@ -393,9 +393,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @property
     def scaling_states(self) -> dict[tuple[str, str], dict]:
         """``(fqn, plane) -> weight scaling state`` of stateful recipes (delayed scaling), as held by
-        each parameter's owner record (``param_state.weight_scaling``; not this optimizer's)."""
+        each parameter's owner record (``param_state.scaling.weight``; not this optimizer's)."""
         return {(self._parts.fqn[p], usage): state for p in self._parts.masters
-                for usage, state in local_tensor(p).param_state.weight_scaling.items()}
+                for usage, state in local_tensor(p).param_state.scaling.weight.items()}
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -414,9 +414,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 f"master_dtype={dtype}, groups={len(self.param_groups)})")
 
     # ---- internals -----------------------------------------------------------------------------------
-    def _fqn_of(self, p) -> str:
-        return self._parts.fqn.get(p, "<parameter>")
-
     def _check_masters_linked(self, what: str) -> None:
         """Refuse to act once a later optimizer took over these masters (optim_masters.py)."""
         check_masters_linked(self.__dict__.get("_ownership"), what)

@@ -99,7 +99,7 @@ def _current_states(parts: OptimizerParts) -> dict:
             own = dict(parts.inner.state.get(parts.inner_of[p], {}))
             if p in parts.masters:
                 own[MASTER_KEY] = local_tensor(parts.masters[p])
-                own.update(local_tensor(p).param_state.weight_entries())
+                own.update(local_tensor(p).param_state.scaling.weight_entries())
             out[p] = own
     return out
 

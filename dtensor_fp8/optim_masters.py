@@ -1,7 +1,7 @@
 """Which ``MasterWeightOptimizer`` owns an FP8 weight's master, and which master dtypes train.
 
 [Note: one owner of a master]
-An FP8 weight's owner record (``FP8ParamState.master``) links the one master every write of the
+An FP8 weight's owner record (``FP8ParamState.links.master``) links the one master every write of the
 weight keeps equal to the written values. A second optimizer built over the same weights (an
 optimizer rebuilt with other groups or another class) used to start its masters from the FP8
 bytes, losing what the masters held beyond their FP8 rounding (about 4 % of a block's amax),
@@ -63,7 +63,7 @@ def first_optimizers_master(p: torch.Tensor, local: QuantizedTensor) -> torch.Te
     Example:
         >>> first_optimizers_master(model.w1.weight, model.w1.weight.to_local())
     """
-    master = local.param_state.master_tensor()
+    master = local.param_state.links.master_tensor()
     if master is None:
         return None
     if isinstance(master, DTensor) and isinstance(p, DTensor) and tuple(master.placements) == tuple(p.placements) \
@@ -107,7 +107,7 @@ _OWNERSHIP = "_dtensor_fp8_ownership"
 
 
 def take_masters_over(masters: dict, fqns: dict) -> Ownership:
-    """Link each weight's owner record to its new master (``FP8ParamState.link_master_``) and mark
+    """Link each weight's owner record to its new master (``FP8ParamState.links.link_master_``) and mark
     the optimizer that owned the previous master as taken over (see the note). Called once the
     new optimizer is built, so a refused construction changes no link.
 
@@ -123,7 +123,7 @@ def take_masters_over(masters: dict, fqns: dict) -> Ownership:
     """
     mine = Ownership()
     for p, master in masters.items():
-        record = local_tensor(p).param_state
+        record = local_tensor(p).param_state.links
         old = record.master_tensor()
         previous = getattr(old, _OWNERSHIP, None) if old is not None else None
         if previous is not None and previous is not mine:

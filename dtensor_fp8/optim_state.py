@@ -14,8 +14,7 @@ from torch.distributed.tensor import DTensor
 from ._compat import dtensor_local
 from .entry import MASTER_KEY
 from .formats.base import USAGES
-from .placement import like
-from .requantize import local_slice
+from .placement import like, local_slice
 
 #: state keys of an FP8 parameter's scaling state: ``"<usage>_<field>"`` (see the note in optim.py)
 SCALING_PREFIXES = tuple(f"{u}_" for u in USAGES)

@@ -17,7 +17,7 @@ here (:func:`write_hp_values_`):
   of them would, written into the record's existing tensors (checkpoint plans and captured
   requantization graphs refer to them).
 * **master sync**: once a :class:`~dtensor_fp8.MasterWeightOptimizer` exists, the record holds a
-  weak reference to the weight's master (``FP8ParamState.master``); the write copies the values
+  weak reference to the weight's master (``FP8ParamState.links.master``); the write copies the values
   into it, so the next step continues from them instead of requantizing the old master over
   them. Before the optimizer, the values are kept for the masters to start from (``hp_init``).
 * a load of FP8 bytes (``model.load_state_dict`` of a checkpoint's entry, ``ops/copies.py``) marks
@@ -75,17 +75,17 @@ def write_hp_values_(items) -> None:
         return
     # A new weight scaling state from the values (delayed scaling), into the record's own tensors.
     records = [local_tensor(w).param_state for _, w, _ in made]
-    kept = {id(r): {u: dict(s) for u, s in r.weight_scaling.items()} for r in records}
+    kept = {id(r): {u: dict(s) for u, s in r.scaling.weight.items()} for r in records}
     for record in records:
-        record.weight_scaling.clear()
+        record.scaling.weight.clear()
     requantize_from_hp_(made)
     for (_, w, values), record in zip(made, records, strict=True):
         q = local_tensor(w)
         for usage, old in kept[id(record)].items():
             for key, value in old.items():
-                value.copy_(record.weight_scaling[usage][key])
-            record.weight_scaling[usage] = old
-        master = record.master_tensor()
+                value.copy_(record.scaling.weight[usage][key])
+            record.scaling.weight[usage] = old
+        master = record.links.master_tensor()
         if master is not None:
             local_tensor(master).copy_(values)
             record.lifecycle.reset_loaded()
@@ -124,7 +124,7 @@ class CheckedToEmpty:
         module = self.module
         for p in (module.parameters() if recurse else module.parameters(recurse=False)):
             q = local_tensor(p)
-            if isinstance(q, QuantizedTensor) and q.param_state.master_tensor() is not None:
+            if isinstance(q, QuantizedTensor) and q.param_state.links.master_tensor() is not None:
                 raise to_empty_refusal(q.recipe.name, p.shape)
         return type(module).to_empty(module, device=device, recurse=recurse)
 
@@ -174,7 +174,7 @@ def check_copy_source(dst: QuantizedTensor, src: torch.Tensor) -> torch.Tensor:
 
 
 def _check_master_covers(name, q: QuantizedTensor) -> None:
-    master = q.param_state.master_tensor()
+    master = q.param_state.links.master_tensor()
     if master is not None and tuple(local_tensor(master).shape) != tuple(q.shape):
         raise RecipeError(
             f"{name or 'an FP8 weight'}: a write of {tuple(q.shape)} values into an FP8 weight whose optimizer master "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from .formats.base import USAGES, Recipe, RecipeError
@@ -44,6 +44,24 @@ def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(ref, DTensor):
         return local
     return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``.
+
+    torch's own ``distribute_tensor`` with ``p``'s placements, each rank slicing its own copy
+    (``src_data_rank=None``: no communication). One (offset, length) window per dim cannot
+    describe FSDP's ``_StridedShard`` on a (dp, tp) mesh: a dp shard of a tp shard is a set of
+    interleaved row ranges of the full tensor, not one contiguous slice.
+
+    Example:
+        >>> local_slice(full_master, model.w1.weight).shape   # fully_shard over 4 ranks
+        torch.Size([64, 128])
+    """
+    if not isinstance(p, DTensor):
+        return full
+    full = full.to(p.device_mesh.device_type)
+    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
 def check_placements(q_shape, recipe: Recipe, mesh: DeviceMesh, placements, usages=USAGES) -> None:

@@ -23,99 +23,14 @@ blocks send it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import groups
-from .layout import rows_per_index
-from .placement import local_tensor, shard_dim
-
-
-def sharded_dims(p: torch.Tensor) -> set[int]:
-    """Tensor dims sharded over any mesh dim (a DTensor's, or those of the layout a local shard's
-    owner record is bound to: ``groups.layout_of``)."""
-    layout = groups.layout_of(p)
-    if layout is None:
-        return set()
-    return {d for d in map(shard_dim, layout[1]) if d is not None}
-
-
-def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a full tensor laid out like the (possibly DTensor) parameter ``p``.
-
-    torch's own ``distribute_tensor`` with ``p``'s placements, each rank slicing its own copy
-    (``src_data_rank=None``: no communication). One (offset, length) window per dim cannot
-    describe FSDP's ``_StridedShard`` on a (dp, tp) mesh: a dp shard of a tp shard is a set of
-    interleaved row ranges of the full tensor, not one contiguous slice.
-    """
-    if not isinstance(p, DTensor):
-        return full
-    full = full.to(p.device_mesh.device_type)
-    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-
-
-class SplitBlocks(NamedTuple):
-    """A plane whose blocks are split between shards along dim 0 and/or dim 1 (FSDP2 at a degree
-    whose shards are not whole blocks; a tensor-parallel shard starting inside a block): where this
-    shard's blocks lie in the weight's block grid along each split dim, and the groups its block
-    amaxes reduce over. Along a dim that no shard boundary splits the grid is this shard's own (the
-    ranks of :attr:`groups` hold the same blocks of that dim: a mesh dim's group varies one
-    coordinate only)."""
-
-    first: tuple[int, int]  # per dim: index, in the whole grid, of the first block this shard touches (0: not split)
-    total: tuple[int | None, int | None]  # per dim: blocks of the whole dim where split, None where not
-    groups: tuple
-
-    def whole(self, local: torch.Tensor) -> torch.Tensor:
-        """The grid whole along the split dims with this shard's ``local`` grid (of the blocks it
-        touches) in place, zeros elsewhere: what a MAX reduction over :attr:`groups` completes."""
-        shape = tuple(n if t is None else t for n, t in zip(local.shape, self.total))
-        out = local.new_zeros(shape)
-        out[self.first[0] : self.first[0] + local.shape[0], self.first[1] : self.first[1] + local.shape[1]] = local
-        return out
-
-    def touched(self, whole: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """The ``grid``-shaped part of ``whole`` holding the blocks this shard touches."""
-        return whole[self.first[0] : self.first[0] + grid[0], self.first[1] : self.first[1] + grid[1]]
-
-
-@functools.lru_cache(maxsize=4096)
-def _split_starts(layout: groups.Layout, blocks: tuple) -> tuple | None:
-    """Per plane dim (rows, columns), this rank's first plane row / column if ``layout``'s shards
-    split that dim's ``blocks[dim]``-long blocks (else ``None``); ``None`` when no dim is split (a
-    pure function of the layout, kept: each requantization asks it of every weight). A weight of
-    more than two dims has its leading dims flattened into plane rows (layout.py)."""
-    dims = (0, len(layout.shape) - 1)
-    starts = tuple(groups.dim_pieces(layout, d)[0][0] * (rows_per_index(layout) if d == 0 else 1)
-                   if groups.splits_blocks(layout, d, b) else None for d, b in zip(dims, blocks))
-    return None if all(s is None for s in starts) else starts
-
-
-def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
-    """:class:`SplitBlocks` of the plane ``usage`` of the FP8 parameter ``p`` (a DTensor, or a
-    local shard whose owner record is bound), or ``None`` when its shards hold whole blocks.
-
-    Example:
-        >>> split_blocks(w, "rowwise")   # 128x128 blocks, a 256-row weight over 4 ranks, rank 1
-        SplitBlocks(first=(0, 0), total=(2, None), groups=(<ProcessGroup dp>,))
-    """
-    layout = groups.layout_of(p)
-    if layout is None:
-        return None
-    block = local_tensor(p).recipe.block_shape(usage)
-    starts = _split_starts(layout, (block.extent(0), block.extent(1)))
-    if starts is None:
-        return None
-    dims = (0, len(layout.shape) - 1)  # the weight's dims holding the plane's rows and columns
-    extents = (layout.shape[0] * rows_per_index(layout), layout.shape[-1])
-    split = {dims[i] for i, s in enumerate(starts) if s is not None}
-    return SplitBlocks(tuple(0 if s is None else s // block.extent(i) for i, s in enumerate(starts)),
-                       tuple(None if s is None else -(-extents[i] // block.extent(i)) for i, s in enumerate(starts)),
-                       groups.weight_groups(p, lambda d: d in split))
+from .groups import sharded_dims, split_blocks
+from .layout import SplitBlocks
+from .placement import local_tensor
 
 
 class AmaxReduction:
@@ -174,7 +89,7 @@ class AmaxReduction:
 def requantize_from_hp_(items) -> None:
     """Requantize FP8 parameters in place from high-precision local shards; a stateful recipe
     (delayed scaling) updates the weight scaling state in each parameter's owner record
-    (``param_state.weight_scaling``, created from the current scale if it has none yet).
+    (``param_state.scaling.weight``, created from the current scale if it has none yet).
 
     Args:
         items: ``(name, param, hp_local)``; ``param`` is a QuantizedTensor or a DTensor of one,
@@ -214,7 +129,7 @@ class _RequantizePlan:
                 continue
             plane = q.planes[usage]
             # Kept in the owner record from now on and updated in place by run().
-            state = q.param_state.weight_state(q.recipe, usage, plane)
+            state = q.param_state.scaling.weight_state(q.recipe, usage, plane)
             # hp as the plane's matrix (a weight of more than two dims: its leading dims flattened)
             self.batches.setdefault((q.recipe, usage), []).append((i, hp.reshape(plane.data.shape), plane, state))
         self.tensors = list(dict.fromkeys(q for _, q, _, _ in self.jobs))
@@ -257,7 +172,7 @@ def _fingerprint(items) -> tuple:
         out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
         for usage, plane in q.planes.items():
             out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
-            state = q.param_state.weight_scaling.get(usage)
+            state = q.param_state.scaling.weight.get(usage)
             if state is not None:
                 out += [t.data_ptr() for t in state.values()]
     return tuple(out)

@@ -50,10 +50,10 @@ from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
 from .formats.base import Plane, RecipeError, as_matrix_shape
 from .formats.config import recipe_config, recipe_from_config
-from .param_state import FP8ParamState
-from .placement import like, local_tensor, shard_dim
+from .param_state import FP8ParamState, ScalingState
+from .placement import like, local_slice, local_tensor, shard_dim
 from . import groups
-from .requantize import local_slice, split_blocks
+from .groups import split_blocks
 from .tensor import QuantizedTensor, one_byte_as_uint8
 
 
@@ -129,7 +129,7 @@ def plane_entries(param: torch.Tensor) -> dict:
     q = local_tensor(param)
     q.check_bytes_made()
     entry = {RECIPE_KEY: recipe_config(q.recipe)}
-    record = q.param_state
+    record = q.param_state.scaling
     record.ensure_operand_states(q.recipe, q.device)
     for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
         record.weight_state(q.recipe, usage, plane)
@@ -236,8 +236,8 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
                               scale.to(plane.data.device).view(plane.scale_inv.dtype))
     # The scaling states the entry holds ride on the rebuilt tensor's own record; the parameter's
     # copy_ copies them into its record (an older checkpoint without them: none).
-    own = q.param_state.ensure_operand_states(q.recipe, q.device)
-    weight = {usage: q.param_state.weight_state(q.recipe, usage, plane) for usage, plane in q.planes.items()}
+    own = q.param_state.scaling.ensure_operand_states(q.recipe, q.device)
+    weight = {usage: q.param_state.scaling.weight_state(q.recipe, usage, plane) for usage, plane in q.planes.items()}
 
     def saved(states, per_index=False):
         def value(key, like_):
@@ -248,8 +248,8 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         return {name: {k: value(f"{name}_{k}", v) for k, v in state.items()}
                 for name, state in states.items() if state is not None and all(f"{name}_{k}" in entry for k in state)}
 
-    loaded_state = FP8ParamState(operand_scaling=saved(own),
-                                 weight_scaling=saved(weight, per_index=q.recipe.scaling_state_per_index))
+    loaded_state = FP8ParamState(ScalingState(weight=saved(weight, per_index=q.recipe.scaling_state_per_index),
+                                              operand=saved(own)))
     loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
@@ -375,5 +375,11 @@ def hp_targets(model: nn.Module) -> dict:
         _EXPORT.reset(token)
 
 
-def _is_fp8(t) -> bool:
+def is_fp8(t) -> bool:
+    """Whether ``t`` is an FP8 parameter: a :class:`QuantizedTensor`, or a DTensor of one.
+
+    Example:
+        >>> is_fp8(model.w1.weight), is_fp8(model.norm.weight)
+        (True, False)
+    """
     return isinstance(t, torch.Tensor) and isinstance(local_tensor(t), QuantizedTensor)

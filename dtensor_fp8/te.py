@@ -48,7 +48,6 @@ Transformer Engine is optional: it is imported on first use only (``formats/te_i
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Callable, NamedTuple
 
 import torch
@@ -460,7 +459,7 @@ def quantize_te_module_(
                 values = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if p.is_meta else p.detach()
                 q = fp8_parameter_values(values, recipe, keep_hp_init)
             setattr(sub, pname, nn.Parameter(q, requires_grad=p.requires_grad))
-            q.param_state.home = (weakref.ref(sub), pname)  # where writes find its DTensor (groups.py)
+            q.param_state.links.set_home_(sub, pname)  # where writes find its DTensor (groups.py)
             converted = True
         if converted:
             # TE's reset_parameters() would quantize a primary FP8 weight with its own quantizer;

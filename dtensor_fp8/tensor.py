@@ -27,6 +27,7 @@ import operator
 import torch
 from torch.utils._pytree import tree_map_only
 
+from .fix_hints import MASTER_WEIGHTS, fix_hints
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
 from .layout import dim_pieces
 from .op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS
@@ -390,9 +391,7 @@ class QuantizedTensor(torch.Tensor):
                 f"{self._recipe.name}: this FP8 weight of shape {tuple(self.shape)} was built on the meta device and "
                 "its FP8 bytes are not made yet. After model.to_empty(...) and your init, build the "
                 "dtensor_fp8.MasterWeightOptimizer (it takes the init values as masters and quantizes them) or call "
-                "dtensor_fp8.finish_init_(model) before the first forward or state_dict(). In torchtitan, set the job "
-                "config's optimizer to dtensor_fp8.integrations.torchtitan.master_weight_adamw(...) (or "
-                "MasterWeightOptimizersContainer.Config): torchtitan's own OptimizersContainer cannot train FP8 weights.")
+                "dtensor_fp8.finish_init_(model) before the first forward or state_dict()." + fix_hints(MASTER_WEIGHTS))
 
     def _missing_usage(self, usage: str):
         hint = ""
@@ -584,8 +583,7 @@ class QuantizedTensor(torch.Tensor):
             hint = ""
             if func.__name__.startswith(("_fused_", "_foreach_")):  # a torch optimizer's step on the weight
                 hint = (" An optimizer is updating FP8 weights in place: train them through high-precision masters "
-                        "with dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, ...) (in torchtitan: "
-                        "dtensor_fp8.integrations.torchtitan.master_weight_adamw).")
+                        "with dtensor_fp8.MasterWeightOptimizer(model, torch.optim.AdamW, ...)." + fix_hints(MASTER_WEIGHTS))
             raise NotImplementedError(
                 f"dtensor_fp8: {func} is not supported on a QuantizedTensor (args: {shapes}). FP8 weights "
                 "are never silently dequantized: call .dequantize() for a high-precision copy, or use "

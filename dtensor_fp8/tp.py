@@ -57,7 +57,7 @@ Block recipes need a reduction only for the blocks a shard boundary splits (the 
 torch's TP styles call ``distribute_tensor(param, mesh, [Shard(d)], src_data_rank=0)``, which
 scatters rank 0's copy through c10d (``scatter_`` / ``broadcast_``) with the wrapper subclass in
 the tensor lists: c10d cannot send it (a SIGSEGV / "Bad address" on gloo in early versions; now
-``ops.py`` refuses those two ops on every rank with this fix in the message). With
+``ops/collectives.py`` refuses those two ops on every rank with this fix in the message). With
 ``src_data_rank=None`` every rank slices its own copy (identical on every rank after
 ``quantize_module_``), and nothing is communicated. This function also checks the plan against
 every FP8 weight first (:func:`check_tp_plan`), so a plan that cannot be represented fails with

@@ -520,3 +520,38 @@ def test_verification_policy(tmp_path):
     with pytest.raises(CheckpointError, match=f"{CHECKSUMS_FILE} is not readable JSON.*verify=False"):
         d.load_checkpoint(state, path)
     d.load_checkpoint(state, path, verify=False)
+
+
+def test_verify_means_the_same_in_every_loader():
+    """``verify`` takes the same values in every loader (``checksum_policy``): True requires
+    checksums.json, False skips it, "if_present" verifies it where it exists; None is the loader's
+    own default (load_checkpoint: True, load_hp_checkpoint: "if_present", as before); anything else
+    is refused naming the value."""
+    from dtensor_fp8.checkpoint.dcp_io import checksum_policy
+
+    assert [checksum_policy(v, True) for v in (True, False, "if_present", None)] == [
+        "required", "skip", "if_present", "required"]
+    assert [checksum_policy(v, "if_present") for v in (True, False, "if_present", None)] == [
+        "required", "skip", "if_present", "if_present"]
+    with pytest.raises(ValueError, match="verify='yes'.*'if_present'"):
+        checksum_policy("yes", True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_load_checkpoint_verifies_where_present_when_asked(tmp_path):
+    """load_checkpoint(verify="if_present"): a plain dcp.save directory (no checksums) loads; a
+    checkpoint whose checksums.json is damaged is still refused naming the file."""
+    plain = str(tmp_path / "plain")
+    dcp.save({"x": torch.arange(4.0)}, checkpoint_id=plain)
+    state = {"x": torch.zeros(4)}
+    d.load_checkpoint(state, plain, verify="if_present")
+    assert torch.equal(state["x"], torch.arange(4.0))
+    root = str(tmp_path / "ckpt")
+    d.save_checkpoint({"x": torch.arange(4.0) + 1}, root, 1)
+    path = d.latest_checkpoint(root)
+    d.load_checkpoint(state, path, verify="if_present")
+    assert torch.equal(state["x"], torch.arange(4.0) + 1)
+    with open(os.path.join(path, CHECKSUMS_FILE), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match=f"{CHECKSUMS_FILE} is not readable JSON"):
+        d.load_checkpoint(state, path, verify="if_present")

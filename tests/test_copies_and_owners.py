@@ -145,7 +145,7 @@ def test_torch_save_of_a_model_round_trips(recipe_name):
     for i in (0, 2):
         _assert_same_planes(_planes(loaded[i].weight), _planes(model[i].weight), f"loaded {i}.weight")
         record = loaded[i].weight.param_state
-        assert record.master_tensor() is None and record.home_parameter() is loaded[i].weight
+        assert record.links.master_tensor() is None and record.links.home_parameter() is loaded[i].weight
     assert torch.equal(loaded(torch.ones(2, DIM, device=DEVICE)), model(torch.ones(2, DIM, device=DEVICE)))
     assert loaded.to_empty.module is loaded  # the checked to_empty, bound to the loaded model
     opt_loaded = d.MasterWeightOptimizer(loaded, torch.optim.AdamW, lr=1e-2)
@@ -189,7 +189,7 @@ def test_float16_masters_are_refused_at_construction():
     model = _model("mxfp8")
     with pytest.raises(ValueError, match=r"float16 is refused.*NaN.*Fix: master_dtype=torch.bfloat16"):
         d.MasterWeightOptimizer(model, torch.optim.AdamW, master_dtype=torch.float16, lr=1e-3)
-    assert model[0].weight.param_state.master_tensor() is None  # nothing built, nothing linked
+    assert model[0].weight.param_state.links.master_tensor() is None  # nothing built, nothing linked
     opt = d.MasterWeightOptimizer(model, torch.optim.AdamW, master_dtype=torch.bfloat16, lr=1e-3)
     opt.state_dict()
     for s in range(2):

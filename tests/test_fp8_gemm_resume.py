@@ -55,7 +55,7 @@ def _state(model, opt):
         for usage, plane in full.planes.items():
             out[f"{name}/{usage}/data"] = plane.data.view(torch.uint8).cpu().clone()
             out[f"{name}/{usage}/scale"] = plane.scale_inv.view(torch.uint8).cpu().clone()
-        for key, value in local.param_state.entries().items():
+        for key, value in local.param_state.scaling.entries().items():
             out[f"{name}/{key}"] = value.cpu().clone()
     for name, m in opt.masters.items():
         out[f"{name}/master"] = m.full_tensor().detach().cpu().clone()

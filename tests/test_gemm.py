@@ -167,7 +167,7 @@ def test_delayed_scaling_recompute_records_nothing_twice(use_reentrant):
                 d.update_operand_scaling_([q])
                 out += [y.detach(), xs.grad, q.grad.clone()]
                 q.grad = None
-        return out + [t.clone() for t in q.param_state.operand_entries().values()]
+        return out + [t.clone() for t in q.param_state.scaling.operand_entries().values()]
 
     plain, recomputed = run(False), run(True)
     assert len(plain) == 9 + 4

@@ -178,7 +178,7 @@ def _snapshot(model: nn.Module, opt: d.MasterWeightOptimizer) -> dict:
         for usage, plane in full.planes.items():
             entry[f"{usage}/data"] = plane.data.contiguous().view(torch.uint8).cpu().clone()
             entry[f"{usage}/scale_inv"] = plane.scale_inv.contiguous().view(torch.uint8).cpu().clone()
-        for key, value in local.param_state.entries().items():
+        for key, value in local.param_state.scaling.entries().items():
             entry[key] = value.detach().float().cpu().clone()
         out[name] = entry
     return out

@@ -78,7 +78,7 @@ def _everything(run) -> dict:
                 for usage, plane in full.planes.items():
                     out[f"{name}/{usage}/data"] = _bytes(plane.data)
                     out[f"{name}/{usage}/scale_inv"] = _bytes(plane.scale_inv)
-                for key, value in local.param_state.entries().items():
+                for key, value in local.param_state.scaling.entries().items():
                     out[f"{name}/{key}"] = _bytes(value)
             else:
                 out[name] = _bytes(p)

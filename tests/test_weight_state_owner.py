@@ -40,7 +40,7 @@ def _steps(model, opt, n, seed):
 def _weight_states(model) -> dict:
     return {f"{name}.{usage}_{k}": v.clone() for name, p in model.named_parameters()
             if isinstance(p.to_local(), d.QuantizedTensor)
-            for usage, state in p.to_local().param_state.weight_scaling.items() for k, v in state.items()}
+            for usage, state in p.to_local().param_state.scaling.weight.items() for k, v in state.items()}
 
 
 def _planes(model) -> dict:

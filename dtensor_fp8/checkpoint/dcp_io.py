@@ -202,6 +202,32 @@ def check_coverage(checkpoint_dir: str, metadata: Metadata, checksums: dict) -> 
 CHECKSUM_POLICIES = ("required", "if_present", "skip")
 
 
+def checksum_policy(verify: bool | str | None, default: bool | str) -> str:
+    """The :data:`CHECKSUM_POLICIES` entry a loader's ``verify`` argument asks for, the same in every
+    loader (``load_checkpoint``, ``load_hp_checkpoint``, torchtitan's checkpointer): ``True`` requires
+    ``checksums.json``, ``False`` skips it, ``"if_present"`` verifies it where it exists, and ``None``
+    is the loader's own ``default`` (``load_checkpoint``: ``True``; ``load_hp_checkpoint``:
+    ``"if_present"``, since it also reads directories of plain ``dcp.save``, which write none).
+
+    Args:
+        verify: the caller's argument.
+        default: what ``None`` stands for in this loader (``True``, ``False`` or ``"if_present"``).
+
+    Example:
+        >>> checksum_policy(None, "if_present"), checksum_policy(True, "if_present")
+        ('if_present', 'required')
+    """
+    chosen = default if verify is None else verify
+    if chosen is True or chosen == "required":
+        return "required"
+    if chosen is False or chosen == "skip":
+        return "skip"
+    if chosen == "if_present":
+        return "if_present"
+    raise ValueError(f"verify={verify!r}: pass True (require checksums.json), False (skip it) or "
+                     "'if_present' (verify it where it exists); None is the loader's default")
+
+
 class OpenedCheckpoint(NamedTuple):
     metadata: Metadata
     checksums: dict | None  # None: not read (``"skip"``) or no checksums.json (``"if_present"``)

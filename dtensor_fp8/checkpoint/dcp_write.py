@@ -214,3 +214,19 @@ def dcp_failure_class(err: CheckpointException) -> type[CheckpointError]:
     """:class:`UnsafeCheckpointError` when that is what every failing rank raised, else :class:`CheckpointError`."""
     kinds = {type(f[0] if isinstance(f, tuple) else f) for f in err.failures.values()}
     return UnsafeCheckpointError if kinds == {UnsafeCheckpointError} else CheckpointError
+
+
+def checkpoint_error_of(err: CheckpointException) -> CheckpointError:
+    """The :class:`CheckpointError` to raise for DCP's ``CheckpointException`` ``err`` (the same on
+    every rank): each rank's message, and the unsafe kind where every failing rank refused unsafe
+    input. It names the ranks itself, so ``agree()`` adds no rank list of its own.
+
+    Example:
+        >>> try:
+        ...     dcp.load(state, storage_reader=reader)
+        ... except CheckpointException as err:
+        ...     raise checkpoint_error_of(err) from None
+    """
+    error = dcp_failure_class(err)(describe_dcp_failure(err))
+    error.names_ranks = True  # "rank 1: ...": agree() adds no rank list of its own
+    return error

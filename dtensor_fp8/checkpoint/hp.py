@@ -18,6 +18,7 @@ entry and file, with the model, its masters and scaling state as they were.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable, NamedTuple
 
@@ -33,16 +34,19 @@ from ..hp_load import HP_UNTOUCHED, HPLoadResult, stage_hp_values, value_problem
 from ..entry import is_extra_state, is_recipe_key
 from ..state_dict import hp_targets
 from ..tensor import QuantizedTensor
-from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, open_checkpoint
+from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, checksum_policy, open_checkpoint
+from .dcp_write import checkpoint_error_of
 from .dirs import METADATA_FILE
 from ..agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
-from .save_load import _from_dcp
 from .values import check_value
 
 _SHOWN = 8
 
 
-class _Source(NamedTuple):
+class HPSource(NamedTuple):
+    """An opened high-precision checkpoint (:func:`open_source`): the reader to load from, its
+    metadata, and ``where(key)``, the " in <its files>" an error about entry ``key`` names."""
+
     reader: StorageReader
     metadata: Metadata
     where: Callable[[str], str]  # key -> " in <its files>"
@@ -50,7 +54,7 @@ class _Source(NamedTuple):
 
 def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=None,
                        storage_reader: StorageReader | None = None, strict: bool = True,
-                       verify: bool | None = None, allow_nonfinite: bool = False) -> HPLoadResult:
+                       verify: bool | str | None = "if_present", allow_nonfinite: bool = False) -> HPLoadResult:
     """Load a high-precision checkpoint (a DCP directory, or a Hugging Face safetensors directory
     through ``torch.distributed.checkpoint.HuggingFaceStorageReader``) into an FP8 model, each rank
     reading only its shards: no rank materializes the whole model.
@@ -73,9 +77,10 @@ def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=N
             ``read_metadata`` decides what it runs.
         strict: every entry of the model must be in the checkpoint, and the reverse (errors name
             them); False loads the entries both hold and returns the others.
-        verify: a DCP directory's ``checksums.json`` (written by ``save_checkpoint``): None
-            (default) verifies it where it exists (a checkpoint of plain ``dcp.save`` has none),
-            True requires it, False skips it.
+        verify: a DCP directory's ``checksums.json`` (written by ``save_checkpoint``):
+            ``"if_present"`` (default) verifies it where it exists (a checkpoint of plain ``dcp.save``
+            has none), True requires it, False skips it. ``None`` is this function's default,
+            ``"if_present"`` (``checkpoint.dcp_io.checksum_policy``: the same values in every loader).
         allow_nonfinite: load NaN or Inf values (refused by default, naming entry and file).
 
     Returns:
@@ -97,9 +102,9 @@ def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=N
     targets = hp_targets(model)
     group = _agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
     kept = {"group": group, "after": HP_UNTOUCHED}
-    source = agree_over(what, _open, path, storage_reader, verify, **kept)
+    source = agree_over(what, open_source, path, storage_reader, verify, **kept)
     staging, missing, unexpected = agree_over(what, _plan, targets, source, strict, **kept)
-    agree_over(what, _read, staging, source.reader, group, **kept)
+    agree_over(what, read_source, staging, source.reader, group, **kept)
     agree_over(what, _check_values, staging, targets, source.where, **kept)
     staged, _ = stage_hp_values(model, staging, optimizer, strict=False, allow_nonfinite=allow_nonfinite,
                                 where=source.where, what=what)
@@ -139,18 +144,30 @@ def _pickled_weights_error(file: str) -> CheckpointError:
         "torch.load(file, weights_only=True) yourself and pass the dict to dtensor_fp8.load_hp_state_dict")
 
 
-def _open(path: str | None, reader: StorageReader | None, verify: bool | None) -> _Source:
+def open_source(path: str | None, reader: StorageReader | None, verify: bool | str | None = None) -> HPSource:
+    """Open a high-precision checkpoint without running code: a DCP directory ``path`` (through
+    ``dcp_io.open_checkpoint``), or another ``reader``'s metadata; a directory of torch pickles is
+    refused with the fix. Each rank may call it (``agree_over`` shares a failure).
+
+    Args:
+        path: a DCP checkpoint directory, or None with ``reader``.
+        reader: another storage reader (e.g. ``HuggingFaceStorageReader``), or None with ``path``.
+        verify: ``checksums.json`` of a DCP directory: None (default) / ``"if_present"`` verifies it
+            where it exists (a plain ``dcp.save`` writes none), True requires it, False skips it
+            (``dcp_io.checksum_policy``).
+
+    Example:
+        >>> source = open_source("ckpt/step_100", None)
+        >>> read_source(staging, source.reader, None)
+    """
     if path is not None:
         path = os.fspath(path)
         pickled = _pickled_weights_only(path)
         if pickled is not None:
             raise _pickled_weights_error(pickled)
-        # checksums verified where checksums.json exists (verify=None): load_hp_checkpoint also reads
-        # directories written by plain dcp.save, which writes none; verify=True requires, False skips
-        policy = "skip" if verify is False else "required" if verify else "if_present"
-        metadata, checksums = open_checkpoint(path, policy, missing_hint=(
-            "(verify=True). Fix: restore the file, or pass verify=None / False"))
-        return _Source(SafeFileSystemReader(path, metadata=metadata, checksums=checksums), metadata,
+        metadata, checksums = open_checkpoint(path, checksum_policy(verify, default="if_present"), missing_hint=(
+            "(verify=True). Fix: restore the file, or pass verify='if_present' / False"))
+        return HPSource(SafeFileSystemReader(path, metadata=metadata, checksums=checksums), metadata,
                        _files_of(metadata, path))
     base = os.fspath(getattr(reader, "path", "") or "")
     try:
@@ -160,7 +177,7 @@ def _open(path: str | None, reader: StorageReader | None, verify: bool | None) -
     pickled = _pickled_weights_only(base) if not metadata.state_dict_metadata and os.path.isdir(base) else None
     if pickled is not None:  # (a safetensors reader finds no entries in a directory of pickles)
         raise _pickled_weights_error(pickled)
-    return _Source(reader, metadata, _files_of(metadata, base))
+    return HPSource(reader, metadata, _files_of(metadata, base))
 
 
 def _unreadable_source(reader: StorageReader, base: str, err: BaseException) -> str:
@@ -203,7 +220,7 @@ def _listed(keys) -> str:
     return "[" + ", ".join(repr(k) for k in keys[:_SHOWN]) + (f", ... ({len(keys)} in all)" if len(keys) > _SHOWN else "") + "]"
 
 
-def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, list]:
+def _plan(targets: dict, source: HPSource, strict: bool) -> tuple[dict, list, list]:
     """The staging buffers to read into (this rank's shards), and the keys left out; refuses what
     the metadata already shows wrong, naming every entry."""
     saved = source.metadata.state_dict_metadata
@@ -240,7 +257,7 @@ def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, lis
             continue
         if is_extra_state(key) or not isinstance(target, torch.Tensor):
             # opaque: read at its saved size, which the bytes stored for it bound (a crafted size allocates nothing)
-            nbytes = _numel(md.size) * md.properties.dtype.itemsize
+            nbytes = math.prod(md.size) * md.properties.dtype.itemsize
             stored = [getattr(info, "length", None) for index, info in source.metadata.storage_data.items()
                       if index.fqn == key]
             if stored and None not in stored and nbytes > sum(stored):
@@ -250,9 +267,9 @@ def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, lis
                 staging[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             continue
         problem = value_problem(key, (md.properties.dtype, tuple(md.size)), target, where)
-        covered = sum(_numel(c.sizes) for c in md.chunks)
-        if problem is None and covered != _numel(md.size):
-            problem = (f"the stored chunks of entry {key!r}{where} cover {covered} of its {_numel(md.size)} elements: "
+        covered = sum(math.prod(c.sizes) for c in md.chunks)
+        if problem is None and covered != math.prod(md.size):
+            problem = (f"the stored chunks of entry {key!r}{where} cover {covered} of its {math.prod(md.size)} elements: "
                        "the metadata is damaged or not this checkpoint's; restore it from a copy")
         if problem:
             problems.append(problem)
@@ -269,13 +286,6 @@ def _plan(targets: dict, source: _Source, strict: bool) -> tuple[dict, list, lis
     return staging, missing, unexpected
 
 
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= int(s)
-    return n
-
-
 def _staging_like(target: torch.Tensor) -> torch.Tensor:
     """A buffer laid out like ``target`` (its local shard, a DTensor like it): FP32 for an FP8
     weight (the masters' values), the target's dtype otherwise; DCP converts the stored dtype."""
@@ -288,11 +298,22 @@ def _staging_like(target: torch.Tensor) -> torch.Tensor:
 
 
 # ---- reading, then the values ----------------------------------------------------------------------------------
-def _read(staging: dict, reader: StorageReader, group) -> None:
+def read_source(staging: dict, reader: StorageReader, group) -> None:
+    """``dcp.load`` into the buffers of ``staging`` from ``reader`` (of :func:`open_source`), with the
+    safe planner; DCP's failure becomes one :class:`CheckpointError` naming each rank's.
+
+    Args:
+        staging: key -> the buffer to read into (this rank's shards) or None (a plain value).
+        reader: the source's reader.
+        group: the process group reading, or None for one process.
+
+    Example:
+        >>> read_source({"w": torch.empty(64, 128)}, source.reader, None)
+    """
     try:
         dcp.load(staging, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=group is None)
     except CheckpointException as err:  # the same on every rank
-        raise _from_dcp(err) from None
+        raise checkpoint_error_of(err) from None
 
 
 def _check_values(staging: dict, targets: dict, where: Callable[[str], str]) -> None:

@@ -12,6 +12,7 @@ the checksums ``checksum.py``'s, plain values ``values.py``'s, and errors on eve
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -28,8 +29,8 @@ from ..entry import (MASTER_KEY, RECIPE_KEY, is_extra_state, is_master_key, is_r
                      is_weight_state_entry, weight_key)
 from ..placement import like, local_tensor
 from ..state_dict import check_saved_recipe
-from .dcp_io import OpenedCheckpoint, SafeFileSystemReader, SafeLoadPlanner, open_checkpoint
-from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, dcp_failure_class, describe_dcp_failure
+from .dcp_io import OpenedCheckpoint, SafeFileSystemReader, SafeLoadPlanner, checksum_policy, open_checkpoint
+from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, checkpoint_error_of
 from .dirs import (
     commit_outcome,
     commit_save,
@@ -164,13 +165,7 @@ def _dcp_save(state_dict: dict, path: str, group) -> None:
         dcp.save(state_dict, storage_writer=ChecksumFileSystemWriter(path), planner=ChecksumSavePlanner(),
                  process_group=group)
     except CheckpointException as err:  # the same on every rank
-        raise _from_dcp(err) from None
-
-
-def _from_dcp(err: CheckpointException) -> CheckpointError:
-    error = dcp_failure_class(err)(describe_dcp_failure(err))
-    error.names_ranks = True  # "rank 1: ...": agree() adds no rank list of its own
-    return error
+        raise checkpoint_error_of(err) from None
 
 
 def latest_checkpoint(root: str) -> str:
@@ -188,7 +183,7 @@ def latest_checkpoint(root: str) -> str:
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
-def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverage: str = "rank", verify: bool = True,
+def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverage: str = "rank", verify: bool | str = True,
                     allow_nonfinite: bool = False, process_group=None) -> LoadResult:
     """``dcp.load`` into ``state_dict`` (in place), safely and all-or-nothing.
 
@@ -220,10 +215,12 @@ def load_checkpoint(state_dict: dict, path: str, *, strict: bool = True, coverag
             ``"group"`` the ranks of ``process_group`` together, each asking for its own part (pipeline
             stages: each loads its stage's entries of the checkpoint all stages saved; an entry no
             rank asks for is still refused, or returned as unexpected with ``strict=False``).
-        verify: check the checksums ``save_checkpoint`` stored (default): a checkpoint without
-            ``checksums.json``, or with one that does not cover every stored item, is refused.
-            False loads without verification, knowingly (checkpoints of plain ``dcp.save`` or
-            ``dcp.async_save``, which write no checksums). None is taken as True.
+        verify: check the checksums ``save_checkpoint`` stored: ``True`` (default) refuses a
+            checkpoint without ``checksums.json``, or with one that does not cover every stored
+            item; ``"if_present"`` verifies them where the file exists; ``False`` loads without
+            verification, knowingly (checkpoints of plain ``dcp.save`` or ``dcp.async_save``, which
+            write no checksums). ``None`` is this function's default, ``True``
+            (``checkpoint.dcp_io.checksum_policy``: the same values in every loader).
         allow_nonfinite: load optimizer masters (``...master`` entries) holding NaN or Inf; by
             default such a checkpoint (saved with ``allow_nonfinite=True``) is refused before
             anything is written (``MasterWeightOptimizer.load_state_dict`` refuses them too, unless
@@ -303,10 +300,10 @@ def read_weight_states_of_older_layout(flat: dict, recipes: dict, metadata: Meta
                 break
 
 
-def _open(path: str, verify: bool | None) -> OpenedCheckpoint:
-    # checksums required unless verify=False: this module's saves always write checksums.json, so a
-    # directory without one is damaged or not ours (None is taken as True)
-    return open_checkpoint(path, "skip" if verify is False else "required", missing_hint=(
+def _open(path: str, verify: bool | str | None) -> OpenedCheckpoint:
+    # checksums required by default: this module's saves always write checksums.json, so a
+    # directory without one is damaged or not ours
+    return open_checkpoint(path, checksum_policy(verify, default=True), missing_hint=(
         "(deleted? or written by plain dcp.save / dcp.async_save, or before dtensor_fp8 stored checksums). Fix: "
         "restore the file from a copy of the checkpoint; or pass verify=False to load it unverified, knowingly"))
 
@@ -411,7 +408,7 @@ def _check_entries(flat: dict, recipes: dict, opened: OpenedCheckpoint, path: st
             copies[key] = value
         elif is_extra_state(key) and not isinstance(value, DTensor):
             # read at its saved size: bounded by the bytes stored for it (a crafted size allocates nothing)
-            nbytes = _numel(meta.size) * meta.properties.dtype.itemsize
+            nbytes = math.prod(meta.size) * meta.properties.dtype.itemsize
             stored = sum(info.length for index, info in opened.metadata.storage_data.items() if index.fqn == key)
             if nbytes > stored:
                 raise CheckpointError(
@@ -425,21 +422,14 @@ def _check_entries(flat: dict, recipes: dict, opened: OpenedCheckpoint, path: st
                 f"{value.dtype} {tuple(value.shape)} in the state dict (a model of other dimensions, or another "
                 "master / state dtype?). Fix: build the model and optimizer as they were saved")
         else:
-            covered = sum(_numel(c.sizes) for c in meta.chunks)
-            if covered != _numel(meta.size):
+            covered = sum(math.prod(c.sizes) for c in meta.chunks)
+            if covered != math.prod(meta.size):
                 raise CheckpointError(
-                    f"{path}: the chunks of entry {key!r} in .metadata cover {covered} of its {_numel(meta.size)} "
+                    f"{path}: the chunks of entry {key!r} in .metadata cover {covered} of its {math.prod(meta.size)} "
                     "elements: the metadata is damaged or not this checkpoint's; restore it from a copy")
             # every element is read (the chunks cover the entry), so no need to copy the old values
             copies[key] = like(value, torch.empty_like(local_tensor(value)))
     return _Plan(copies, blobs, missing, unexpected)
-
-
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= int(s)
-    return n
 
 
 def _mismatch_message(path: str, missing: list, unexpected: list, saved: dict, asked: int, by_group: bool) -> str:
@@ -491,4 +481,4 @@ def _dcp_load(flat: dict, path: str, opened: OpenedCheckpoint, group) -> None:
     try:
         dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except CheckpointException as err:  # the same on every rank
-        raise _from_dcp(err) from None
+        raise checkpoint_error_of(err) from None

@@ -65,10 +65,6 @@ class GemmRecipe:
         return self.fast_accum[GEMMS.index(gemm)]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class ScaleLayout:
     """How torch's scaled GEMM takes the scales of one block geometry.

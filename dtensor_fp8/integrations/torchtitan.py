@@ -65,6 +65,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.config.override import derive
 from torchtitan.models.common.linear import Linear
 
+from ..fix_hints import MASTER_WEIGHTS, register_fix_hint
 from ..formats.registry import recipe_named
 from ..formats.base import RecipeError
 from ..module import quantize_module_
@@ -281,6 +282,13 @@ def master_weight_adamw(lr: float = 8e-4, *, master_dtype: str = "float32",
     """
     return MasterWeightOptimizersContainer.Config(param_groups=default_adamw(lr, **kwargs).param_groups,
                                                   master_dtype=master_dtype)
+
+
+# the core's errors about training FP8 weights (a meta build's pending bytes, an optimizer writing in
+# place) name the fix a torchtitan user needs, which the core does not know (``fix_hints.py``)
+register_fix_hint(MASTER_WEIGHTS, "torchtitan", (
+    "In torchtitan, set the job config's optimizer to dtensor_fp8.integrations.torchtitan.master_weight_adamw(...) "
+    "(or MasterWeightOptimizersContainer.Config): torchtitan's own OptimizersContainer cannot train FP8 weights."))
 
 
 # ---- the state-dict layout torchtitan's checkpointer keeps (see the note) ------------------------------

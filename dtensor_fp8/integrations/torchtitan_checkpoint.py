@@ -36,12 +36,12 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 
 from ..checkpoint.dcp_io import read_metadata
 from ..agreement import CheckpointError
-from ..checkpoint.hp import _open, _read
-from ..checkpoint.save_load import _from_dcp
+from ..checkpoint.dcp_write import checkpoint_error_of
+from ..checkpoint.hp import open_source, read_source
 from ..formats.base import RecipeError
 from ..hp_load import stage_hp_values, write_staged_hp_values
 from ..entry import RECIPE_KEY
-from ..state_dict import _is_fp8, high_precision_state_dict
+from ..state_dict import high_precision_state_dict, is_fp8
 
 _SHOWN = 6
 
@@ -75,7 +75,7 @@ def _refuse_plain_optimizers(model_parts: list, optimizers) -> None:
     (it builds the checkpointer right after the optimizers, before any step): its optimizers would
     step the FP8 bytes in place, and no master holds the weights' values."""
     plain = [type(o).__qualname__ for o in getattr(optimizers, "optimizers", []) if not hasattr(o, "master_of")]
-    fp8 = sorted(k for part in model_parts for k, t in _native_targets(part).items() if _is_fp8(t))
+    fp8 = sorted(k for part in model_parts for k, t in _native_targets(part).items() if is_fp8(t))
     if plain and fp8:
         raise RecipeError(
             f"torchtitan's {type(optimizers).__qualname__} builds plain {', '.join(sorted(set(plain)))} optimizers over "
@@ -180,7 +180,7 @@ class FP8CheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """torchtitan's load, except that high-precision weights load into the FP8 model through
         their owners (see the note)."""
-        fp8 = {k for part in self._parts() for k, t in _native_targets(part).items() if _is_fp8(t)}
+        fp8 = {k for part in self._parts() for k, t in _native_targets(part).items() if is_fp8(t)}
         if not fp8:
             return CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
         if from_hf:
@@ -204,7 +204,7 @@ class FP8CheckpointManager(CheckpointManager):
         """Every model part read (this rank's shards) and checked, then all written (see the note)."""
         masters = _Masters(self.states[OPTIMIZER])
         what = f"FP8CheckpointManager({'initial_load_in_hf ' if hf else ''}{checkpoint_id})"
-        source = None if hf else _open(checkpoint_id, None, None)
+        source = None if hf else open_source(checkpoint_id, None)
         staged = []
         for part in self._parts():
             layout = _checkpoint_layout(part)
@@ -212,7 +212,7 @@ class FP8CheckpointManager(CheckpointManager):
                 values = self._read_hf(layout, checkpoint_id)
             else:
                 _check_entries(layout, source, checkpoint_id)
-                _read(layout, source.reader, None)
+                read_source(layout, source.reader, None)
                 values = layout
             targets = _native_targets(part)
             staged.append(stage_hp_values(part, _merged(part, values), masters, targets=targets,
@@ -231,7 +231,7 @@ class FP8CheckpointManager(CheckpointManager):
         try:
             dcp.load(hf, storage_reader=self.sd_adapter.get_hf_storage_reader(checkpoint_id, False))
         except CheckpointException as err:
-            raise _from_dcp(err) from None
+            raise checkpoint_error_of(err) from None
         return self.sd_adapter.from_hf(hf)
 
     # ---- the final save -----------------------------------------------------------------------------------------

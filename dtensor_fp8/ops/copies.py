@@ -142,7 +142,7 @@ def _new_zeros(func, args, kwargs):
 def _zeros_like(func, args, kwargs):
     q = args[0]
     _check_nominal_dtype(q, kwargs.get("dtype"), func)
-    if func is aten.empty_like.default and q.param_state.master_tensor() is not None:
+    if func is aten.empty_like.default and q.param_state.links.master_tensor() is not None:
         # ``module.to_empty`` (its only caller on a parameter) of a module quantize_module_ did not
         # see (the model checks first: param_writes.CheckedToEmpty).
         from ..param_writes import to_empty_refusal  # the writes layer sits above the op table
@@ -203,8 +203,8 @@ def _copy_(func, args, kwargs):
         # Another weight's bytes (a loaded checkpoint entry): its scaling states too, and the
         # master follows them (see param_writes.py); init values kept for a master that does not
         # exist yet are stale now: it will start from these bytes.
-        dst.param_state.copy_from_(src.param_state)
-        if dst.param_state.master_tensor() is not None:
+        dst.param_state.scaling.copy_from_(src.param_state.scaling)
+        if dst.param_state.links.master_tensor() is not None:
             dst.param_state.lifecycle.mark_bytes_loaded()
         if src.hp_init is None and not dst.bytes_pending:
             dst.take_hp_init()

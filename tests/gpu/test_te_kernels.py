@@ -102,7 +102,7 @@ def test_requantize_from_hp_matches_reference(name, master_dtype):
         for i, (fast_q, ref_q) in enumerate(zip(fast_qs, ref_qs)):
             for usage in fast_q.planes:
                 assert_planes_equal(fast_q.planes[usage], ref_q.planes[usage], f"{name}/w{i}/step{step}/{usage}")
-            fast_state, ref_state = fast_q.param_state.weight_entries(), ref_q.param_state.weight_entries()
+            fast_state, ref_state = fast_q.param_state.scaling.weight_entries(), ref_q.param_state.scaling.weight_entries()
             # delayed scaling keeps an amax history and a scale per plane; the other recipes none
             assert bool(fast_state) == isinstance(recipe, d.DelayedScaling), (name, sorted(fast_state))
             assert fast_state.keys() == ref_state.keys(), (name, sorted(fast_state), sorted(ref_state))
