@@ -95,7 +95,7 @@ def unsupported_reason(A: torch.Tensor, q) -> str | None:
     cc = torch.cuda.get_device_capability(A.device)
     if cc not in GROUPED_CAPABILITIES or not hasattr(torch, "_scaled_grouped_mm"):
         return f"torch's scaled grouped GEMM runs on sm_90 / sm_100, the device is sm_{cc[0]}{cc[1]}"
-    recipe, (experts, out, inn) = q.recipe, q.shape
+    recipe, (_, out, inn) = q.recipe, q.shape
     g = gemm.gemm_recipe(recipe)
     if g is None:
         return f"{recipe.name} declares no FP8 GEMM"

@@ -32,57 +32,16 @@ import json
 import os
 import sys
 import tempfile
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .moe_model import EXPERT_WEIGHTS, SHAPES, MoE, convert, fully_shard_experts, place_experts, scaled
+from .moe_model import SHAPES, build, init_ranks, mesh_for, refusal, scaled
 
 #: (layout, world size, ep degree): the layouts the ``wire`` part measures.
 WIRE_LAYOUTS = (("fsdp", 2, 1), ("fsdp", 4, 1), ("ep_fsdp", 4, 2))
 #: Issue 48's bounds on expert all-gather bytes against bf16's.
 BOUNDS = {"delayed": 0.55, "current": 0.55, "blockwise2d": 0.55, "mxfp8": 0.62, "blockwise1d": 0.62}
-
-
-def init_ranks(rank: int, world: int, store: str, device_type: str) -> torch.device:
-    """This rank's process group and device."""
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
-                            store=dist.FileStore(store, world), timeout=timedelta(seconds=600))
-    return device
-
-
-def mesh_for(layout: str, world: int, ep: int, device_type: str):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if layout == "fsdp":
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("efsdp",))
-    return init_device_mesh(device_type, (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
-
-
-def build(variant: str, dims, layout: str, mesh, ep: int, device: torch.device, seed: int = 0):
-    """The layer built as a model larger than a rank: meta device, expert parallelism, quantize,
-    FSDP2, ``to_empty``, init on each rank's shards, optimizer (FP8: its masters and bytes are made
-    here). Returns ``(model, optimizer)``."""
-    import dtensor_fp8 as d
-
-    experts, dim, hidden, top_k = dims
-    with torch.device("meta"):
-        model = MoE(experts, dim, hidden, top_k, local_experts=experts // ep)
-    convert(model, variant)
-    place_experts(model, mesh, layout)
-    fully_shard_experts(model, mesh, layout)
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    model.router.reset_parameters()  # replicated: the same on every rank
-    torch.manual_seed(seed + 1 + dist.get_rank())
-    model.experts.init_weights()  # each rank's own shards
-    if variant in ("bf16", "fp32"):
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
 
 
 def received_per_step(variant: str, dims, layout: str, ep: int, tokens: int) -> int:
@@ -95,12 +54,12 @@ def received_per_step(variant: str, dims, layout: str, ep: int, tokens: int) -> 
     """
     from dtensor_fp8.comm import CollectiveBytes
 
-    world = dist.get_world_size()
-    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    world = dist.get_world_size(group=dist.group.WORLD)
+    device_type = "cuda" if torch.cuda.is_available() and dist.get_backend(group=dist.group.WORLD) == "nccl" else "cpu"
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     mesh = mesh_for(layout, world, ep, device_type)
     model, _ = build(variant, dims, layout, mesh, ep, device)
-    g = torch.Generator().manual_seed(dist.get_rank())
+    g = torch.Generator().manual_seed(dist.get_rank(group=dist.group.WORLD))
     x = torch.randn(tokens, dims[1], generator=g).to(device)
     model(x).float().pow(2).mean().backward()  # lazy init outside the count
     with CollectiveBytes() as counted:
@@ -135,21 +94,6 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         if row.get("received_bytes_per_rank"):
             row["vs_bf16"] = max(row["received_bytes_per_rank"]) / max(base["received_bytes_per_rank"])
     return rows
-
-
-def refusal(variant: str, dims) -> str | None:
-    """Why ``variant`` cannot quantize these expert shapes (``None``: it can)."""
-    import dtensor_fp8 as d
-
-    if variant in ("bf16", "fp32"):
-        return None
-    experts, dim, hidden, _ = dims
-    try:
-        for shape in ((experts, hidden, dim), (experts, dim, hidden)):
-            d.per_expert(d.RECIPES[variant], shape)
-    except d.RecipeError as e:
-        return str(e)
-    return None
 
 
 def measure_wire(shape: str, dims, variants, tokens: int, device_type: str = "cpu", layouts=WIRE_LAYOUTS) -> list[dict]:

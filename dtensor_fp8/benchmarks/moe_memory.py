@@ -38,7 +38,7 @@ def _rank(rank, world, store, variant, dims, ckpt, phase, out):
     import dtensor_fp8 as d
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from .moe import build, init_ranks, mesh_for
+    from .moe_model import build, init_ranks, mesh_for
 
     import torch.distributed.checkpoint  # noqa: F401  imported before the baseline: modules are not the flow's
     import torch.distributed.fsdp  # noqa: F401
@@ -71,7 +71,7 @@ def _disk_bytes(root: str) -> int:
 
 def measure(shape: str, dims, recipes, worlds) -> list[dict]:
     """Peaks per rank of build, save and load for fp32, bf16 and every recipe at each world size."""
-    from .moe import refusal
+    from .moe_model import refusal
 
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc as each spawned rank starts
     rows = []

@@ -12,7 +12,10 @@ what is measured).
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -136,3 +139,58 @@ def fully_shard_experts(model: MoE, mesh, layout: str) -> MoE:
 
     fully_shard(model.experts, mesh=mesh if layout == "fsdp" else mesh["efsdp"], reshard_after_forward=True)
     return model
+
+
+def init_ranks(rank: int, world: int, store: str, device_type: str) -> torch.device:
+    """This rank's process group and device."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world,
+                            store=dist.FileStore(store, world), timeout=timedelta(seconds=600))
+    return device
+
+
+def mesh_for(layout: str, world: int, ep: int, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("efsdp",))
+    return init_device_mesh(device_type, (ep, world // ep), mesh_dim_names=("ep", "efsdp"))
+
+
+def build(variant: str, dims, layout: str, mesh, ep: int, device: torch.device, seed: int = 0):
+    """The layer built as a model larger than a rank: meta device, expert parallelism, quantize,
+    FSDP2, ``to_empty``, init on each rank's shards, optimizer (FP8: its masters and bytes are made
+    here). Returns ``(model, optimizer)``."""
+    import dtensor_fp8 as d
+
+    experts, dim, hidden, top_k = dims
+    with torch.device("meta"):
+        model = MoE(experts, dim, hidden, top_k, local_experts=experts // ep)
+    convert(model, variant)
+    place_experts(model, mesh, layout)
+    fully_shard_experts(model, mesh, layout)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    model.router.reset_parameters()  # replicated: the same on every rank
+    torch.manual_seed(seed + 1 + dist.get_rank(group=dist.group.WORLD))
+    model.experts.init_weights()  # each rank's own shards
+    if variant in ("bf16", "fp32"):
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-3)
+
+
+def refusal(variant: str, dims) -> str | None:
+    """Why ``variant`` cannot quantize these expert shapes (``None``: it can)."""
+    import dtensor_fp8 as d
+
+    if variant in ("bf16", "fp32"):
+        return None
+    experts, dim, hidden, _ = dims
+    try:
+        for shape in ((experts, hidden, dim), (experts, dim, hidden)):
+            d.per_expert(d.RECIPES[variant], shape)
+    except d.RecipeError as e:
+        return str(e)
+    return None
