@@ -50,7 +50,17 @@ GROUPED_OUT_DTYPE = torch.bfloat16
 def spans_contraction(block: BlockShape, contract_dim: int, group: int) -> bool:
     """Whether a plane with ``block`` s has one scale along each contraction: the whole dim 1
     (``contract_dim=1``), or each group of ``group`` rows of dim 0 (``contract_dim=0``: an expert's
-    rows of a stacked ``[E * group, in]`` plane)."""
+    rows of a stacked ``[E * group, in]`` plane).
+
+    Args:
+        block: the plane's block shape (``None``: the block spans that dim).
+        contract_dim: the dim the GEMM contracts.
+        group: rows of one expert (``contract_dim=0``).
+
+    Example:
+        >>> spans_contraction(BlockShape(256, None), 0, 256), spans_contraction(BlockShape(1, 32), 1, 1)
+        (True, False)
+    """
     if contract_dim == 1:
         return block.cols is None
     return block.rows is None or block.rows % group == 0
@@ -82,6 +92,10 @@ def rowwise_scales(plane: Plane, block: BlockShape, contract_dim: int, group: in
 def unsupported_reason(A: torch.Tensor, q) -> str | None:
     """Why the grouped GEMM of ``A`` with the expert weight ``q`` ``[E, out, in]`` cannot run torch's
     scaled grouped GEMM here (``None``: it can).
+
+    Args:
+        A: the routed tokens ``[tokens, in]``.
+        q: the per-expert :class:`QuantizedTensor` (the base of ``B_t``).
 
     Example:
         >>> unsupported_reason(x.cuda(), q.cuda())   # a per-tensor expert weight on an H100
