@@ -12,11 +12,14 @@ FP8 expert weight (quantized per expert, ``formats/experts.py``) the three GEMMs
 * weight gradient ``dW[e] = dy[rows of e]^T x[rows of e]``: no FP8 operand, a high-precision
   grouped GEMM whose ``[E, out, in]`` result FSDP2 reduce-scatters like any gradient.
 
-This module is the emulated path, on any device: each plane is dequantized to the activation's
-dtype and ``torch._grouped_mm`` runs on that, as the emulated linear does for dense weights. It is
-the reference an FP8 grouped GEMM (torch's scaled grouped GEMM on CUDA, a next step) must match, and
-on the CPU it lets a test tell which plane a gather delivered. On CUDA it says once per process
-that it runs (``gemm.note_fallback``), as the dense GEMMs do when they fall back.
+Where torch has a scaled grouped GEMM for the weight's recipe on this device
+(``grouped_fp8.unsupported_reason``: per-tensor recipes on sm_90 / sm_100), the forward and
+input-gradient GEMMs run in FP8 on the planes (``grouped_fp8.py``). Elsewhere this module's
+emulated path runs, on any device: each plane is dequantized to the activation's dtype and
+``torch._grouped_mm`` runs on that, as the emulated linear does for dense weights. It is the
+reference the FP8 grouped GEMM must match, and on the CPU it lets a test tell which plane a gather
+delivered. Where FP8 GEMMs are expected (CUDA, or ``fp8_gemms("on")``) it says once per process
+and reason that it runs (``gemm.note_fallback``), as the dense GEMMs do when they fall back.
 
 torchtitan's ``GroupedExperts`` calls ``self._grouped_mm(A=x, B_t=w.bfloat16().transpose(-2, -1),
 offs=offs)``: ``w.bfloat16()`` of an FP8 weight is the same bytes with a bf16 nominal dtype
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemm
+from . import gemm, grouped_fp8
 from .formats.base import ROWWISE, RecipeError
 from .ops.copies import reads_from
 from .ops.gemm import QuantizedTransposeView
@@ -94,7 +97,10 @@ def grouped_mm(A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.
     if q.dim() != 3 or A.dim() != 2 or A.shape[-1] != q.shape[-1] or offs.shape != q.shape[:1]:
         raise RecipeError(f"{q.recipe.name}: grouped_mm of A {tuple(A.shape)} with an expert weight {tuple(q.shape)} "
                           f"and offs {tuple(offs.shape)}: expected A [tokens, {q.shape[-1]}] and offs [{q.shape[0]}]")
-    gemm.note_fallback("no FP8 grouped GEMM is wired yet", A, q, stacklevel=3,
+    why = grouped_fp8.unsupported_reason(A, q)
+    if why is None:
+        return grouped_fp8.ScaledGroupedMM.apply(A, B_t, offs)
+    gemm.note_fallback(why, A, q, stacklevel=3,
                        subject=f"the grouped GEMM of a {q.recipe.name} expert weight of shape {tuple(q.shape)} runs "
                                "the emulated path (torch._grouped_mm)")
     return _QuantizedGroupedMM.apply(A, B_t, offs)

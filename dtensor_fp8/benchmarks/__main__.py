@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convergence": ("dtensor_fp8.benchmarks.convergence", "byte-level LM on the stdlib's sources: FP8 recipes and torchao vs bf16, paired over seeds, to 1 %"),
     "checkpoint": ("dtensor_fp8.benchmarks.checkpoint", "checksum cost of save_checkpoint / load_checkpoint vs DCP's own save / load"),
     "torchtitan": ("dtensor_fp8.benchmarks.torchtitan", "torchtitan's Llama3 debug model: all-gather bytes / step and peak memory, bf16 vs torchao float8 vs ours"),
+    "moe": ("dtensor_fp8.benchmarks.moe", "MoE expert weights: all-gather bytes (FSDP2, EP x FSDP2), build / save / load memory, GPU step time, FP8 vs bf16"),
     "layouts": ("dtensor_fp8.benchmarks.layouts", "which (FSDP, TP) layouts each recipe accepts on Llama3 / DeepSeek-V3 / Qwen3 shapes, and B/param/step with and without AC"),
     "all": ("dtensor_fp8.benchmarks.report", "everything this machine runs: report.json + report.png (the default)"),
 }

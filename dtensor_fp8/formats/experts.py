@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import COLUMNWISE, ROWWISE, BlockShape, Plane, Recipe, RecipeError
+from .scaled_mm import GemmRecipe
 
 
 def expert_block_rows(base: Recipe, usage: str, rows: int) -> int:
@@ -120,7 +121,16 @@ class PerExpert(Recipe):
         self.base.check_shape(tuple(shape[1:]))
 
     def gemm_recipe(self):
-        return None  # the grouped GEMM runs the emulated (dequantizing) path for now (grouped_mm.py)
+        """The base recipe's operand recipes, with the output gradients cast like the activations.
+
+        torch's scaled grouped GEMM multiplies E4M3 by E4M3 only (``grouped_fp8.py``), so the
+        gradients of a HYBRID recipe (E5M2 in the dense GEMMs, TE's default) are E4M3 here, as in
+        torchao's FP8 MoE training; the weight and activations are the base recipe's."""
+        g = self.base.gemm_recipe()
+        if g is None:
+            return None
+        return GemmRecipe(input=g.input, grad=g.input, fast_accum=g.fast_accum,
+                          name=f"{g.name}, E4M3 gradients (grouped GEMM)")
 
     # ---- per-tensor rules, applied per expert ---------------------------------------------------
     def _per_expert_scalar(self, usage: str) -> bool:
