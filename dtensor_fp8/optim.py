@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .agreement import gather_findings
-from .groups import bind_layout_, max_over_, mesh_groups
+from .groups import bind_layout_, max_over_
 from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
@@ -441,14 +441,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def _agreement_groups(self) -> tuple:
         """The process groups over which every rank stepping these parameters must decide alike: the
         mesh dims of the parameters' own meshes (``groups.py``), never the world (under pipeline
-        parallelism the other stages step other parameters, at other times). Asked every step, found
-        once per set of parameters: kept with the ``inner_of`` dict it was found from and its size
-        (``follow_model`` makes a new one; ``add_param_group`` adds to it)."""
-        inner_of = self._parts.inner_of
-        kept = self.__dict__.get("_agreement")
-        if kept is None or kept[0] is not inner_of or kept[1] != len(inner_of):
-            kept = self._agreement = (inner_of, len(inner_of), mesh_groups(inner_of))
-        return kept[2]
+        parallelism the other stages step other parameters, at other times)."""
+        return self._parts.agreement_groups()
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
