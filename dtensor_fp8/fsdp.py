@@ -287,6 +287,11 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
     plans = record.plans
     key = (id(mesh), tuple(outer_size), usages, id(module))
     entry = plans.get(key)
+    if entry is not None and entry.last is not None and (entry.plan.shard_view or self.holds(entry.last_planes)):
+        # The same plane tensors as last time (an optimizer step rewrites them in place): the
+        # inputs are views of the same bytes and the metadata is unchanged (the checks below
+        # passed when they were made, for the same key).
+        return entry.last
     # A weight of more than two dims (an [experts, out, in] MoE weight) is gathered as the matrix its
     # planes hold, dim 0's indices flattened into rows (tensor.py's note on tensors of more than two dims).
     matrix, flat = self.as_matrix(), _flat_size(self, outer_size, mesh.size())
@@ -296,11 +301,8 @@ def fsdp_pre_all_gather(self: QuantizedTensor, mesh, outer_size, outer_stride, m
         if entry.plan.shard_view:  # the same (empty) input every time, whatever the planes hold
             entry.last = _shard_view_gather(matrix, entry.plan, usages, flat)
             entry.last = _with_logical_shape(entry.last, self, outer_size)
+            return entry.last
     plan = entry.plan
-    if entry.last is not None and (plan.shard_view or self.holds(entry.last_planes)):
-        # The same plane tensors as last time (an optimizer step rewrites them in place): the
-        # inputs are views of the same bytes and the metadata is unchanged.
-        return entry.last
     inputs, shared_scales, local_planes = gather_inputs(matrix, plan)
     inputs, side_inputs = split_side_inputs(inputs, plan)
     metadata = GatherMetadata(usages=served_usages(self.recipe, plan.stored), gathered=usages, stored=plan.stored,
@@ -379,7 +381,11 @@ def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch
                                            param_state=shard.param_state)
     else:
         # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
-        view = _compat.dtensor_local(out).repoint_(shard.planes, usages)
+        view = _compat.dtensor_local(out)
+        # Every gather of a step finds it already over the shard's planes (an optimizer step rewrites
+        # them in place): re-pointing it would set the same tensors again.
+        if not (view.holds(shard.plane_tensors()) and view.usages == tuple(u for u in USAGES if u in usages)):
+            view.repoint_(shard.planes, usages)
     if backward_only:
         view.create_transpose_cache()
     return (view, ()) if out is None else None

@@ -24,15 +24,31 @@ reduces and dispatches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from . import groups
+from ._compat import dtensor_local
 from .entry import OPERANDS
-from .placement import local_tensor
 from .tensor import QuantizedTensor
+
+
+@functools.lru_cache(maxsize=256)
+def operands_keep_state(recipe) -> bool:
+    """Whether the FP8 GEMMs of a weight of ``recipe`` keep operand scaling state (asked of its
+    GEMM recipe's operand recipes, ``Recipe.keeps_operand_state``). A recipe is a frozen value, so
+    the answer is kept: the update below asks it of every weight at every step, and building the
+    GEMM recipe to ask costs more than the rest of the walk.
+
+    Example:
+        >>> operands_keep_state(dtensor_fp8.CurrentScaling()), operands_keep_state(dtensor_fp8.DelayedScaling())
+        (False, True)
+    """
+    gemm = recipe.gemm_recipe()
+    return gemm is not None and (gemm.input.keeps_operand_state or gemm.grad.keeps_operand_state)
 
 
 @torch.no_grad()
@@ -55,8 +71,10 @@ def update_operand_scaling_(params: nn.Module | Iterable[torch.Tensor]) -> int:
         params = params.parameters()
     entries = []  # (recipe, state, groups)
     for p in params:
-        q = local_tensor(p)
-        if not isinstance(q, QuantizedTensor) or q.recipe.gemm_recipe() is None:
+        # The local shard itself (not ``to_local()``, which on torch >= 2.13 makes a new view of a
+        # parameter each call); a weight whose recipe keeps no operand state has nothing to update.
+        q = dtensor_local(p)
+        if not isinstance(q, QuantizedTensor) or not operands_keep_state(q.recipe):
             continue
         groups.bind_layout_(p)
         # Created if absent, so that every rank updates the same set (a rank's GEMMs may not have run).

@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .agreement import gather_findings
-from .groups import bind_layout_, max_over_, mesh_groups
+from .groups import bind_layout_, max_over_
 from .module import finish_init_
 from .placement import like, local_tensor
 from . import optim_follow
@@ -439,7 +439,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """The process groups over which every rank stepping these parameters must decide alike: the
         mesh dims of the parameters' own meshes (``groups.py``), never the world (under pipeline
         parallelism the other stages step other parameters, at other times)."""
-        return mesh_groups(self._parts.inner_of)
+        return self._parts.agreement_groups()
 
     def _gradients_not_finite(self) -> bool:
         """Whether any rank's gradient holds NaN or Inf: one max-norm kernel per group of gradients,
@@ -483,7 +483,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             if g is None:
                 inner.grad = None
                 continue
-            local = local_tensor(g)
+            local = dtensor_local(g)
             self._check_gradient_layout(p, g, local, inner)
             g = local
             if isinstance(g, QuantizedTensor):

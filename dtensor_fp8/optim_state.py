@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from ._compat import dtensor_local
 from .entry import MASTER_KEY
 from .formats.base import USAGES
+from .groups import mesh_groups
 from .placement import like, local_slice
 
 #: state keys of an FP8 parameter's scaling state: ``"<usage>_<field>"`` (see the note in optim.py)
@@ -50,9 +51,20 @@ class OptimizerParts:
     #: how to build the optimizer again over replaced parameters (``MasterWeightOptimizer.follow_model``)
     built_with: dict = field(default_factory=dict)
 
+    #: ``(len(inner_of), groups)`` as :meth:`agreement_groups` last found them
+    agreement: tuple | None = None
+
     def fqn_of(self, p) -> str:
         """``p``'s FQN, or a placeholder for a tensor that is not one of the model's parameters."""
         return self.fqn.get(p, "<parameter>")
+
+    def agreement_groups(self) -> tuple:
+        """``groups.mesh_groups`` of the parameters (the groups a step's decisions agree over), found once
+        per parameter set: asked every step, and ``inner_of`` only grows (``add_param_group``; a
+        ``follow_model`` that replaces parameters builds new parts). A parameter's mesh never changes."""
+        if self.agreement is None or self.agreement[0] != len(self.inner_of):
+            self.agreement = (len(self.inner_of), mesh_groups(self.inner_of))
+        return self.agreement[1]
 
 
 class StateView(dict):

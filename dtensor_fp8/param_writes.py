@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ._compat import dtensor_local
 from .formats.base import RecipeError
 from .groups import max_over_, mesh_groups
 from .placement import local_tensor
@@ -198,10 +199,13 @@ def masters_follow_loaded_bytes_(masters) -> None:
         >>> masters_follow_loaded_bytes_(opt._masters)   # at the start of a step
     """
     for p, master in masters.items():
-        record = local_tensor(p).param_state
+        # The local shard itself: this runs every step, and on torch >= 2.13 ``to_local()`` of a
+        # parameter makes a new view (a QuantizedTensor rebuilt through dispatch) each call.
+        local = dtensor_local(p)
+        record = local.param_state
         if record.lifecycle.master_follows_loaded_bytes:
-            target = local_tensor(master)
-            target.copy_(local_tensor(p).dequantize(target.dtype))
+            target = dtensor_local(master)
+            target.copy_(local.dequantize(target.dtype))
         record.lifecycle.reset_loaded()
 
 

@@ -28,6 +28,7 @@ import gc
 import torch
 
 from . import groups
+from ._compat import dtensor_local
 from .groups import sharded_dims, split_blocks
 from .layout import SplitBlocks
 from .placement import local_tensor
@@ -112,7 +113,7 @@ class _RequantizePlan:
         jobs = []
         for name, p, hp in items:
             groups.bind_layout_(p)
-            q = local_tensor(p)
+            q = dtensor_local(p)  # the shard itself, the same object every step (see _fingerprint)
             for usage in q.planes:
                 jobs.append((name, p, q, hp, usage))
         self.jobs = [(name, q, hp, usage) for name, _, q, hp, usage in jobs]
@@ -168,13 +169,14 @@ def _fingerprint(items) -> tuple:
     fingerprints mean a graph captured for one is valid for the other."""
     out = []
     for name, p, hp in items:
-        q = local_tensor(p)
-        out += [name, id(p), id(hp), hp.data_ptr(), id(q)]
-        for usage, plane in q.planes.items():
-            out += [usage, plane.data.data_ptr(), plane.scale_inv.data_ptr()]
-            state = q.param_state.scaling.weight.get(usage)
-            if state is not None:
-                out += [t.data_ptr() for t in state.values()]
+        # The DTensor's own local tensor: ``to_local()`` of a parameter is a new view each call on
+        # torch >= 2.13, whose id would never match the one kept (no step would reuse its plan).
+        q = dtensor_local(p)
+        out += [name, id(p), id(hp), hp.data_ptr(), id(q), q.recipe]
+        # every plane slot (None where absent), without building the planes' dict of views
+        out += [None if t is None else (id(t), t.data_ptr()) for t in q.plane_tensors()]
+        for usage, state in q.param_state.scaling.weight.items():
+            out += [usage, *(t.data_ptr() for t in state.values())]
     return tuple(out)
 
 
@@ -196,7 +198,7 @@ def _no_cyclic_gc():
 
 
 class GraphedRequantize:
-    """Runs an optimizer step's requantization as a CUDA graph where it can.
+    """Runs an optimizer step's requantization, decided once and repeated, as a CUDA graph where it can.
 
     [Note: the requantization as one CUDA graph]
     After every optimizer step each FP8 weight is rewritten from its master: per weight an amax, a
@@ -214,6 +216,11 @@ class GraphedRequantize:
     process group supports), CPU tensors, and the first step with new tensors (it creates the
     scaling states and warms up the kernels). A capture that fails turns graphs off for this
     optimizer, with the reason in :attr:`disabled_reason`; the step then runs eagerly.
+
+    The same rule keeps the *plan* (:class:`_RequantizePlan`: which weights reduce their amaxes
+    over which groups, the batches per recipe and plane, the scaling states) where no graph is
+    captured: an eager step with an unchanged fingerprint runs the plan it made before, so the
+    Python that decides is paid once per set of tensors, not once per step.
     """
 
     def __init__(self, enabled: bool):
@@ -221,22 +228,30 @@ class GraphedRequantize:
         self.disabled_reason: str | None = None if enabled else "cuda_graph=False"
         #: steps whose requantization was a graph replay
         self.replays = 0
-        self._graph = self._plan = self._key = self._eager_key = None
+        #: the plan of the last tensors, their fingerprint, and the graph captured of it (or None)
+        self._plan = self._key = self._graph = None
 
     def __call__(self, items) -> None:
-        if self._graph is not None and _fingerprint(items) == self._key:
-            self._graph.replay()
-            self.replays += 1
-            self._plan.finish()
-            return
-        self._graph = self._plan = self._key = None
-        plan = _RequantizePlan(items)
-        key = _fingerprint(items) if self._capturable(plan) else None
-        if key is None or key != self._eager_key:  # not capturable, or new tensors: eagerly
-            self._eager_key = key
+        plan = self._plan if self._plan is not None and _fingerprint(items) == self._key else None
+        if plan is None:  # new tensors (or the first step): decide, then run eagerly once
+            self._graph = None
+            plan = _RequantizePlan(items)
+            # After the plan: making it creates missing scaling states, which the fingerprint holds.
+            self._plan, self._key = plan, _fingerprint(items)
             plan.run()
             plan.finish()
             return
+        if self._graph is None and self._capturable(plan):
+            self._graph = self._capture(plan)
+        if self._graph is not None:
+            self._graph.replay()
+            self.replays += 1
+        else:
+            plan.run()
+        plan.finish()
+
+    def _capture(self, plan: _RequantizePlan):
+        """A CUDA graph of ``plan.run()`` (capturing runs nothing), or ``None`` with graphs turned off."""
         graph = torch.cuda.CUDAGraph()
         try:
             with _no_cyclic_gc(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -244,13 +259,8 @@ class GraphedRequantize:
         except Exception as e:  # noqa: BLE001  (whatever failed to capture: eager from now on)
             self.enabled = False
             self.disabled_reason = f"capture failed: {type(e).__name__}: {e}".splitlines()[0][:300]
-            plan.run()
-            plan.finish()
-            return
-        self._graph, self._plan, self._key = graph, plan, key
-        graph.replay()  # capturing ran nothing: this is the step's requantization
-        self.replays += 1
-        plan.finish()
+            return None
+        return graph
 
     def _capturable(self, plan: _RequantizePlan) -> bool:
         if not self.enabled or plan.reduces or not plan.jobs:

@@ -107,6 +107,10 @@ class Recipe(abc.ABC):
     #: along the weight's dim 0 (one expert of an expert weight: ``experts.py``), so a checkpoint
     #: shards it with the weight's dim 0; False: one state for the whole weight, the same on every rank.
     scaling_state_per_index: bool = False
+    #: True when an activation / gradient quantizer of this recipe keeps scaling state across steps
+    #: (:meth:`operand_state` returns one: delayed scaling's amax history); False when its scales are
+    #: a function of the data alone, so a once-per-step operand update has nothing to do for it.
+    keeps_operand_state: bool = False
 
     # ---- geometry ------------------------------------------------------------------------------
     def stored_usage(self, usage: str) -> str:

@@ -181,6 +181,8 @@ class DelayedScaling(_PerTensor):
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
 
+    keeps_operand_state = True  # (not a field: no annotation) its operands' amax histories
+
     te_binding = TEBinding(
         "Float8Tensor", "Float8TensorStorage", _FLOAT8_TENSOR_BUFFERS, "Float8Quantizer",
         quantizer_state=("scale", "amax"), te_recipe="DelayedScaling",
