@@ -292,26 +292,31 @@ register_fix_hint(MASTER_WEIGHTS, "torchtitan", (
 
 
 # ---- the state-dict layout torchtitan's checkpointer keeps (see the note) ------------------------------
-def _flatten_fp8_entries(module, state_dict, prefix, local_metadata) -> None:
-    key = prefix + "weight"
-    entry = state_dict.get(key)
-    if not isinstance(entry, dict):  # high-precision export, or no FP8 weight
-        return
-    del state_dict[key]
-    for name, value in entry.items():
-        state_dict[f"{key}.{name}"] = recipe_tensor(value) if name == RECIPE_KEY else value
+def _flatten_fp8_entries(module, state_dict, prefix, local_metadata, *, weights=("weight",)) -> None:
+    """State-dict post-hook: the entry (a dict of planes) of each FP8 parameter named in ``weights``
+    flattened into tensors (see the note); the recipe as a uint8 tensor."""
+    for weight in weights:
+        key = prefix + weight
+        entry = state_dict.get(key)
+        if not isinstance(entry, dict):  # high-precision export, or no FP8 weight
+            continue
+        del state_dict[key]
+        for name, value in entry.items():
+            state_dict[f"{key}.{name}"] = recipe_tensor(value) if name == RECIPE_KEY else value
 
 
-def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
-    key = prefix + "weight"
-    sub = re.compile(re.escape(key) + r"\.(\w+)$")
-    names = {m.group(1): k for k in list(state_dict) if (m := sub.match(k))}
-    if not names:
-        return
-    entry = {name: state_dict.pop(k) for name, k in names.items()}
-    if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
-        entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
-    state_dict[key] = entry
+def _gather_fp8_entries(module, state_dict, prefix, *args, weights=("weight",)) -> None:
+    """Load pre-hook, the inverse of :func:`_flatten_fp8_entries`."""
+    for weight in weights:
+        key = prefix + weight
+        sub = re.compile(re.escape(key) + r"\.(\w+)$")
+        names = {m.group(1): k for k in list(state_dict) if (m := sub.match(k))}
+        if not names:
+            continue
+        entry = {name: state_dict.pop(k) for name, k in names.items()}
+        if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
+            entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
+        state_dict[key] = entry
 
 
 from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402,F401  (the checkpointer, beside the converter)

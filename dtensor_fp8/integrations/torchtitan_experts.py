@@ -31,6 +31,7 @@ from ..formats.base import RecipeError
 from ..formats.experts import per_expert
 from ..grouped_mm import grouped_mm
 from ..module import quantize_module_
+from .torchtitan import _flatten_fp8_entries, _gather_fp8_entries
 
 
 def _expert_weights(module) -> tuple[str, ...]:
@@ -60,8 +61,12 @@ def fp8_grouped_experts_cls(base: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             names = _expert_weights(self)
+            # torchtitan's checkpointer keeps tensors only: each FP8 expert weight's entry flattened, as
+            # FP8ParameterLinear's (registered before quantize_module_'s hooks on loading, after on saving)
+            self.register_load_state_dict_pre_hook(functools.partial(_gather_fp8_entries, weights=names))
             quantize_module_(self, recipe_named(config.recipe, "FP8ParameterConverter"), filter_fn=lambda m, fqn: False,
                              experts=lambda m, fqn: names if m is self else ())
+            self.register_state_dict_post_hook(functools.partial(_flatten_fp8_entries, weights=names))
 
         def _grouped_mm(self, *, A, B_t, offs):
             return grouped_mm(A, B_t, offs)
