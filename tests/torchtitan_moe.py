@@ -22,8 +22,9 @@ from dtensor_fp8._compat import dtensor_local
 LR = 1e-3
 SEQ, BATCH, VOCAB = 32, 2, 2048
 MOE_LAYERS = 1
-#: the family's model_registry flavor and how many dense layers precede its MoE layers
-FLAVORS = {"deepseek_v3": ("debugmodel", 1), "qwen3": ("debugmodel_moe", 0)}
+#: the family's model_registry flavor, how many dense layers precede its MoE layers, and how many
+#: routed experts the test keeps (None: the config's; Qwen3's debug config has 64 of 768 x 256)
+FLAVORS = {"deepseek_v3": ("debugmodel", 1, None), "qwen3": ("debugmodel_moe", 0, 16)}
 #: the routed experts' weights in a parameter name
 ROUTED = "routed_experts.inner_experts.w"
 
@@ -40,7 +41,7 @@ def model_spec(family: str, recipe: str | None, *, ep: int = 1):
 
     models = importlib.import_module(f"torchtitan.models.{family}")
     sharding = importlib.import_module(f"torchtitan.models.{family}.sharding")
-    flavor, dense = FLAVORS[family]
+    flavor, dense, experts = FLAVORS[family]
     converters = None if recipe is None else [FP8ParameterConverter.Config(recipe=recipe, targets="experts",
                                                                            filter_fqns=["lm_head", "router"])]
     spec = models.model_registry(flavor, converters=converters)
@@ -48,8 +49,18 @@ def model_spec(family: str, recipe: str | None, *, ep: int = 1):
     config.layers = config.layers[:dense + MOE_LAYERS]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if experts is not None and getattr(layer, "moe", None) is not None:
+            _keep_experts(layer.moe, experts)
     getattr(sharding, f"set_{family}_sharding_config")(config, enable_sp=False, enable_ep=ep > 1)
     return spec
+
+
+def _keep_experts(moe, n: int) -> None:
+    """The MoE layer config ``moe`` with ``n`` routed experts (test time; routing and shapes kept)."""
+    routed = moe.routed_experts
+    for config in (moe, moe.router, routed.inner_experts, routed.token_dispatcher):
+        config.num_experts = n
+    moe.router.gate.out_features = n
 
 
 #: (family, ep, world size) -> the ParallelDims (and meshes) this rank process uses: one set per layout
