@@ -29,9 +29,9 @@ FLAVORS = {"deepseek_v3": ("debugmodel", 1, None), "qwen3": ("debugmodel_moe", 0
 ROUTED = "routed_experts.inner_experts.w"
 
 
-def model_spec(family: str, recipe: str | None, *, ep: int = 1):
+def model_spec(family: str, recipe: str | None, *, ep: int = 1, moe_layers: int = MOE_LAYERS):
     """The family's debug MoE model spec through its ``model_registry`` (with the converter when
-    ``recipe``), its config cut to ``MOE_LAYERS`` MoE layers, with torchtitan's CPU attention and
+    ``recipe``), its config cut to ``moe_layers`` MoE layers, with torchtitan's CPU attention and
     its sharding config (expert parallelism on when ``ep > 1``)."""
     import importlib
 
@@ -46,7 +46,7 @@ def model_spec(family: str, recipe: str | None, *, ep: int = 1):
                                                                            filter_fqns=["lm_head", "router"])]
     spec = models.model_registry(flavor, converters=converters)
     config = spec.model
-    config.layers = config.layers[:dense + MOE_LAYERS]
+    config.layers = config.layers[:dense + moe_layers]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         if experts is not None and getattr(layer, "moe", None) is not None:
@@ -109,6 +109,7 @@ class MoERun:
         with torch.no_grad():
             model.init_weights(buffer_device=None)
         self.model = model
+        self.parts = [model]
         self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=[model])
         register_moe_load_balancing_hook(self.optimizers, [model], self.dims)
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
@@ -142,14 +143,18 @@ class MoERun:
             losses.append(total.item())
         return losses
 
+    def named_parameters(self) -> list:
+        """The parameters of every model part on this rank (one part unless pipelined)."""
+        return [item for part in self.parts for item in part.named_parameters()]
+
     def fp8_weights(self, model=None) -> dict[str, str]:
-        """Name -> recipe repr of every parameter whose local tensor is FP8."""
-        model = self.model if model is None else model
-        return {n: repr(dtensor_local(p).recipe) for n, p in model.named_parameters()
-                if isinstance(dtensor_local(p), d.QuantizedTensor)}
+        """Name -> recipe repr of every parameter whose local tensor is FP8 (of ``model``, or of
+        every model part)."""
+        named = self.named_parameters() if model is None else model.named_parameters()
+        return {n: repr(dtensor_local(p).recipe) for n, p in named if isinstance(dtensor_local(p), d.QuantizedTensor)}
 
     def routed(self) -> dict[str, torch.Tensor]:
-        return {n: p for n, p in self.model.named_parameters() if ROUTED in n}
+        return {n: p for n, p in self.named_parameters() if ROUTED in n}
 
     def master_of(self, param):
         for optimizer in self.optimizers.optimizers:
@@ -227,7 +232,7 @@ class MoERun:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Every parameter's local bytes (FP8 planes), every master's and the optimizer state's."""
         out = {}
-        for n, p in self.model.named_parameters():
+        for n, p in self.named_parameters():
             local = dtensor_local(p)
             if isinstance(local, d.QuantizedTensor):
                 for usage, plane in local.planes.items():
