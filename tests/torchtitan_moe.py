@@ -29,10 +29,10 @@ FLAVORS = {"deepseek_v3": ("debugmodel", 1, None), "qwen3": ("debugmodel_moe", 0
 ROUTED = "routed_experts.inner_experts.w"
 
 
-def model_spec(family: str, recipe: str | None, *, ep: int = 1, moe_layers: int = MOE_LAYERS):
+def model_spec(family: str, recipe: str | None, *, ep: int = 1, moe_layers: int = MOE_LAYERS, experts: int | None = None):
     """The family's debug MoE model spec through its ``model_registry`` (with the converter when
     ``recipe``), its config cut to ``moe_layers`` MoE layers, with torchtitan's CPU attention and
-    its sharding config (expert parallelism on when ``ep > 1``)."""
+    its sharding config (expert parallelism on when ``ep > 1``); ``experts`` routed experts if given."""
     import importlib
 
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -41,7 +41,8 @@ def model_spec(family: str, recipe: str | None, *, ep: int = 1, moe_layers: int 
 
     models = importlib.import_module(f"torchtitan.models.{family}")
     sharding = importlib.import_module(f"torchtitan.models.{family}.sharding")
-    flavor, dense, experts = FLAVORS[family]
+    flavor, dense, kept = FLAVORS[family]
+    experts = experts or kept
     converters = None if recipe is None else [FP8ParameterConverter.Config(recipe=recipe, targets="experts",
                                                                            filter_fqns=["lm_head", "router"])]
     spec = models.model_registry(flavor, converters=converters)
@@ -70,7 +71,8 @@ _PARALLEL_DIMS: dict = {}
 class MoERun:
     """One torchtitan training setup of an MoE model on this rank (see the module docstring)."""
 
-    def __init__(self, family: str, recipe: str | None, *, ep: int = 1, ckpt_dir: str | None = None):
+    def __init__(self, family: str, recipe: str | None, *, ep: int = 1, ckpt_dir: str | None = None,
+                 experts: int | None = None):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
@@ -94,7 +96,7 @@ class MoERun:
             _PARALLEL_DIMS[key].build_mesh()
         self.dims = _PARALLEL_DIMS[key]
         self.batch_mesh = self.dims.get_mesh("batch")
-        spec = model_spec(family, recipe, ep=ep)
+        spec = model_spec(family, recipe, ep=ep, experts=experts)
         with torch.device("meta"):
             model = spec.model.build()
         model = spec.parallelize_fn(model, parallel_dims=self.dims, training=training, parallelism=parallelism,
