@@ -10,8 +10,9 @@ subclass, as torchtitan's own ``Float8GroupedExpertsConverter`` does. The subcla
   ``quantize_module_(..., experts=...)``, when torchtitan builds the model on the meta device; the
   model's ``param_init`` writes their values and the ``MasterWeightOptimizer`` makes the bytes;
 * overrides the ``_grouped_mm`` seam with :func:`dtensor_fp8.grouped_mm.grouped_mm`: the forward
-  GEMM reads the rowwise plane FSDP2 gathered, the input gradient the columnwise plane (emulated:
-  planes dequantized, then ``torch._grouped_mm``; no FP8 grouped GEMM is wired yet).
+  GEMM reads the rowwise plane FSDP2 gathered, the input gradient the columnwise plane (torch's
+  scaled grouped GEMM where ``grouped_fp8.py`` has one, else emulated: planes dequantized, then
+  ``torch._grouped_mm``).
 
 * keeps torchtitan's checkpointer's state-dict layout: each expert weight's entry flattened into
   tensors (``torchtitan_state_dict.py``), as ``FP8ParameterLinear``'s.
@@ -25,7 +26,7 @@ through ``CheckpointManager`` and FSDP2 -> EP reshard, byte-exact.
 
 What is not done yet (issue 48's next slices): TP ``Shard(1)`` / ``Shard(2)`` of expert weights and
 FSDP2's ``Shard(1)`` of them (torchtitan picks it when ``efsdp * ep`` exceeds the expert count:
-refused by the slicing ops, naming the fix), torch's scaled grouped GEMM on CUDA.
+refused by the slicing ops, naming the fix); torchtitan runs on CUDA (the scaled grouped GEMM, ``grouped_fp8.py``).
 """
 
 from __future__ import annotations
