@@ -77,10 +77,11 @@ class GatheredWeight(PlaneCompletion):
             plane = self._completed[stored] = self._all_gather(t, stored)
         m = self._metadata
         full_rows = m.padded_rows * m.world
-        if t.shape[0] != full_rows:  # the unpadded weight: its rows of the full plane
+        rows = t.shape[0] * t.rows_per_index  # an [experts, out, in] weight's planes: experts * out rows
+        if rows != full_rows:  # the unpadded weight: its rows of the full plane
             full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,),
                                                phase=m.phase)
-            plane = slice_quantized(full, 0, 0, t.shape[0]).planes[stored]
+            plane = slice_quantized(full, 0, 0, rows).planes[stored]
         planes = t.planes
         planes[stored] = plane
         t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage))
@@ -100,6 +101,7 @@ class GatheredWeight(PlaneCompletion):
                 "every gather brings both planes.")
         if shard.device != t.device:  # FSDP2's CPU offload: the shard lives on the host
             shard = shard.to(t.device)
+        shard = shard.as_matrix()  # an expert weight is gathered as the matrix its planes hold (fsdp.py)
         plan = gather_plan(shard, (m.orig_rows, m.cols), m.world, (stored,), m.process_group)
         inputs, shared_scales, _ = gather_inputs(shard, plan)
         record = shard.param_state.gather

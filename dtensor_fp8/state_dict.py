@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from . import _compat
 from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
 from .formats.base import Plane, RecipeError, as_matrix_shape
@@ -87,6 +88,10 @@ def _matrix_layout(param: DTensor):
         dim = shard_dim(pl)
         if dim is None:
             placements.append(pl)
+        elif dim == 0 and isinstance(pl, _compat.strided_shard_class()):
+            # FSDP2 over experts that expert parallelism sharded first (torchtitan's efsdp after ep):
+            # whole experts (fsdp.py refuses uneven ones), so the rows are chunked as the experts are
+            placements.append(pl)
         elif dim in (0, last) and type(pl) is Shard:
             placements.append(Shard(0 if dim == 0 else 1))
         else:
@@ -99,7 +104,8 @@ def _matrix_layout(param: DTensor):
 
 def _dim0_placements(param: DTensor) -> list:
     """Placements of a tensor with one row per index of ``param``'s dim 0, sharded as that dim is."""
-    return [Shard(0) if shard_dim(pl) == 0 else Replicate() for pl in param.placements]
+    return [(pl if isinstance(pl, _compat.strided_shard_class()) else Shard(0)) if shard_dim(pl) == 0 else Replicate()
+            for pl in param.placements]
 
 
 def _sharded_like_dim0(param: DTensor, local: torch.Tensor) -> DTensor:

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map_only
 
 from .fix_hints import MASTER_WEIGHTS, fix_hints
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Recipe, Plane, RecipeError
-from .layout import dim_pieces
+from .layout import dim_pieces, rows_per_index as layout_rows_per_index
 from .op_table import QUANTIZED_FUNCTIONS, QUANTIZED_OPS
 from .param_state import FP8ParamState
 
@@ -207,13 +207,16 @@ class QuantizedTensor(torch.Tensor):
         layout = self._param_state.current_layout()
         if layout is None:
             return False
-        pieces = [dim_pieces(layout, d)[0] for d in (0, self.dim() - 1)]
-        if pieces[0][1] - pieces[0][0] > self.shape[0]:
-            # the layout of a parameter FSDP2 is still sharding (a TP shard's, before fully_shard made
-            # its own): this tensor is a piece of that parameter's shard, not yet placed by it
+        # The layout's dims, not this tensor's: this may be the matrix view (as_matrix) of a weight of
+        # more than two dims, whose layout counts dim 0 in indices (for experts: whole experts).
+        pieces = [dim_pieces(layout, d)[0] for d in (0, len(layout.shape) - 1)]
+        per_index = layout_rows_per_index(layout)
+        if (pieces[0][1] - pieces[0][0]) * per_index > self.shape[0] * self.rows_per_index:
+            # the layout of a parameter FSDP2 is still sharding (a TP or EP shard's, before fully_shard
+            # made its own): this tensor is a piece of that parameter's shard, not yet placed by it
             return False
         # the phase is in the planes' (flattened) rows: an index along dim 0 is rows_per_index rows
-        self.place_((pieces[0][0] * self.rows_per_index, pieces[1][0]))
+        self.place_((pieces[0][0] * per_index, pieces[1][0]))
         return True
 
     # [Note: tensors of more than two dims]

@@ -119,3 +119,20 @@ def test_converter_targets_switch():
     assert all("FP8Parameter" in e for e in experts) and any("FP8Parameter" in k for k in linears)
     with pytest.raises(d.RecipeError, match="targets must be"):
         _config("mxfp8", "all")
+
+
+def _fewer_experts_than_ranks():
+    from torchtitan_moe import MoERun
+
+    with pytest.raises(d.RecipeError, match=r"slice along dim 1 of an FP8 weight of shape \(1, 256, 256\).*"
+                                            r"Shard the experts \(dim 0\) instead, or keep this weight in high precision"):
+        MoERun("deepseek_v3", "mxfp8", experts=1)
+
+
+def test_fsdp_over_more_ranks_than_experts_is_refused_with_the_fix(pools):
+    """torchtitan's ``fully_shard`` shards the experts' out rows (``Shard(1)``) when ``efsdp * ep``
+    exceeds the expert count: refused when parallelized (the rows of every expert are not a
+    contiguous piece of the flattened planes), naming what to do."""
+    if 2 not in WORLD_SIZES:
+        pytest.skip("2 ranks")
+    pools[2].run(_fewer_experts_than_ranks)

@@ -51,7 +51,6 @@ and ``init_weights``, its ``OptimizersContainer`` machinery, LR schedulers and i
 
 from __future__ import annotations
 
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -71,8 +70,9 @@ from ..formats.base import RecipeError
 from ..module import quantize_module_
 from ..optim import MasterWeightOptimizer
 from ..placement import local_tensor
-from ..entry import RECIPE_FIELD_BYTES, RECIPE_KEY, recipe_from_tensor, recipe_tensor
+from ..entry import RECIPE_FIELD_BYTES, recipe_from_tensor, recipe_tensor
 from ..tensor import QuantizedTensor
+from .torchtitan_state_dict import flatten_fp8_entries, gather_fp8_entries
 
 
 class FP8ParameterLinear(Linear):
@@ -97,9 +97,9 @@ class FP8ParameterLinear(Linear):
     def __init__(self, config: Config):
         super().__init__(config)
         # Registered before quantize_module_'s own hooks on loading, after them on saving.
-        self.register_load_state_dict_pre_hook(_gather_fp8_entries)
+        self.register_load_state_dict_pre_hook(gather_fp8_entries)
         quantize_module_(self, recipe_named(config.recipe, "FP8ParameterConverter"))
-        self.register_state_dict_post_hook(_flatten_fp8_entries)
+        self.register_state_dict_post_hook(flatten_fp8_entries)
 
 
 class FP8ParameterConverter(QuantizationConverter):
@@ -289,29 +289,6 @@ def master_weight_adamw(lr: float = 8e-4, *, master_dtype: str = "float32",
 register_fix_hint(MASTER_WEIGHTS, "torchtitan", (
     "In torchtitan, set the job config's optimizer to dtensor_fp8.integrations.torchtitan.master_weight_adamw(...) "
     "(or MasterWeightOptimizersContainer.Config): torchtitan's own OptimizersContainer cannot train FP8 weights."))
-
-
-# ---- the state-dict layout torchtitan's checkpointer keeps (see the note) ------------------------------
-def _flatten_fp8_entries(module, state_dict, prefix, local_metadata) -> None:
-    key = prefix + "weight"
-    entry = state_dict.get(key)
-    if not isinstance(entry, dict):  # high-precision export, or no FP8 weight
-        return
-    del state_dict[key]
-    for name, value in entry.items():
-        state_dict[f"{key}.{name}"] = recipe_tensor(value) if name == RECIPE_KEY else value
-
-
-def _gather_fp8_entries(module, state_dict, prefix, *args) -> None:
-    key = prefix + "weight"
-    sub = re.compile(re.escape(key) + r"\.(\w+)$")
-    names = {m.group(1): k for k in list(state_dict) if (m := sub.match(k))}
-    if not names:
-        return
-    entry = {name: state_dict.pop(k) for name, k in names.items()}
-    if isinstance(entry.get(RECIPE_KEY), torch.Tensor):
-        entry[RECIPE_KEY] = recipe_from_tensor(entry[RECIPE_KEY])
-    state_dict[key] = entry
 
 
 from .torchtitan_checkpoint import FP8CheckpointManager  # noqa: E402,F401  (the checkpointer, beside the converter)

@@ -10,13 +10,23 @@ subclass, as torchtitan's own ``Float8GroupedExpertsConverter`` does. The subcla
   ``quantize_module_(..., experts=...)``, when torchtitan builds the model on the meta device; the
   model's ``param_init`` writes their values and the ``MasterWeightOptimizer`` makes the bytes;
 * overrides the ``_grouped_mm`` seam with :func:`dtensor_fp8.grouped_mm.grouped_mm`: the forward
-  GEMM reads the rowwise plane FSDP2 gathered, the input gradient the columnwise plane (emulated:
-  planes dequantized, then ``torch._grouped_mm``; no FP8 grouped GEMM is wired yet).
+  GEMM reads the rowwise plane FSDP2 gathered, the input gradient the columnwise plane (torch's
+  scaled grouped GEMM where ``grouped_fp8.py`` has one, else emulated: planes dequantized, then
+  ``torch._grouped_mm``).
 
-What is not done yet (issue 48's next slices): expert parallelism (``Shard(0)`` of the experts on
-an EP mesh before FSDP2), TP ``Shard(1)`` / ``Shard(2)`` of expert weights, torch's scaled grouped
-GEMM on CUDA, pipeline parallelism with FP8 experts, and torchtitan's state-dict flattening of the
-expert entries (FP8ParameterLinear's ``_flatten_fp8_entries``) for its checkpointer.
+* keeps torchtitan's checkpointer's state-dict layout: each expert weight's entry flattened into
+  tensors (``torchtitan_state_dict.py``), as ``FP8ParameterLinear``'s.
+
+Tested through torchtitan's own functions (tests/torchtitan_moe.py): FSDP2 at 2 ranks (DeepSeek-V3,
+Qwen3 MoE, every recipe); expert parallelism, EP 2 x FSDP2 2 at 4 ranks (torchtitan's
+``distribute_tensor`` ``Shard(0)`` on ``ep``, then ``fully_shard`` over ``efsdp``: the expert DTensor is
+``(_StridedShard(0), Shard(0))`` over whole experts, which the owner record places, gathers,
+completes and checkpoints as any ``Shard(0)``); PP 2 x FSDP2 2 through ``pipeline_llm``; resume
+through ``CheckpointManager`` and FSDP2 -> EP reshard, byte-exact.
+
+What is not done yet (issue 48's next slices): TP ``Shard(1)`` / ``Shard(2)`` of expert weights and
+FSDP2's ``Shard(1)`` of them (torchtitan picks it when ``efsdp * ep`` exceeds the expert count:
+refused by the slicing ops, naming the fix); torchtitan runs on CUDA (the scaled grouped GEMM, ``grouped_fp8.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from ..formats.base import RecipeError
 from ..formats.experts import per_expert
 from ..grouped_mm import grouped_mm
 from ..module import quantize_module_
+from .torchtitan_state_dict import flatten_fp8_entries, gather_fp8_entries
 
 
 def _expert_weights(module) -> tuple[str, ...]:
@@ -60,8 +71,12 @@ def fp8_grouped_experts_cls(base: type) -> type:
         def __init__(self, config):
             super().__init__(config)
             names = _expert_weights(self)
+            # torchtitan's checkpointer keeps tensors only: each FP8 expert weight's entry flattened, as
+            # FP8ParameterLinear's (registered before quantize_module_'s hooks on loading, after on saving)
+            self.register_load_state_dict_pre_hook(functools.partial(gather_fp8_entries, weights=names))
             quantize_module_(self, recipe_named(config.recipe, "FP8ParameterConverter"), filter_fn=lambda m, fqn: False,
                              experts=lambda m, fqn: names if m is self else ())
+            self.register_state_dict_post_hook(functools.partial(flatten_fp8_entries, weights=names))
 
         def _grouped_mm(self, *, A, B_t, offs):
             return grouped_mm(A, B_t, offs)
