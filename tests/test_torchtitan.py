@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import dtensor_fp8 as d
+import fp8_snapshot
 from dist_utils import BACKEND, WORLD_SIZES, backend_spec
 
 if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
@@ -178,24 +179,11 @@ class _Run:
         return list(self.model.named_parameters())
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """Every parameter's local bytes (FP8 planes), each master's and the optimizer state's."""
-        out = {}
-        for n, p in self._named_parameters():
-            local = dtensor_local(p)
-            if isinstance(local, d.QuantizedTensor):
-                for usage, plane in local.planes.items():
-                    out[f"{n}/{usage}"] = plane.data.view(torch.uint8).clone()
-                    out[f"{n}/{usage}_scale"] = plane.scale_inv.contiguous().view(torch.uint8).clone()
-            else:
-                out[n] = local.detach().clone()
-        for key, value in self.optimizers.state_dict().items():
-            if isinstance(value, torch.Tensor):
-                out[f"opt/{key}"] = dtensor_local(value).detach().clone()
-        return out
+        """Every parameter's local bytes (FP8 planes) and the optimizer state's (fp8_snapshot.py)."""
+        return fp8_snapshot.snapshot(self._named_parameters(), self.optimizers)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+_bytes = fp8_snapshot.as_bytes
 
 
 def _train_side_by_side(recipes, tp, backend, steps=4):
@@ -313,7 +301,7 @@ def _resume(recipe, tp, backend, root):
     again = resumed.train(range(2, 4))
     got = resumed.snapshot()
     keys = sorted(set(expected) | set(got))
-    differ = [k for k in keys if k not in got or k not in expected or not torch.equal(_bytes(expected[k]), _bytes(got[k]))]
+    differ = fp8_snapshot.differing(expected, got)
     resumed.checkpointer.close()
     return {"losses": losses, "again": again, "differ": differ, "n": len(keys)}
 
@@ -468,7 +456,7 @@ def _pipeline_resume(recipe, schedule, root):
     again = resumed.train(range(2, 4))
     got = resumed.snapshot()
     keys = sorted(set(expected) | set(got))
-    differ = [k for k in keys if k not in got or k not in expected or not torch.equal(_bytes(expected[k]), _bytes(got[k]))]
+    differ = fp8_snapshot.differing(expected, got)
     resumed.checkpointer.close()
     return {"losses": losses, "again": again, "differ": differ, "n": len(keys)}
 

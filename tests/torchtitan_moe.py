@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import dtensor_fp8 as d
 from dist_utils import BACKEND, backend_spec
+from fp8_snapshot import as_bytes, differing, snapshot  # noqa: F401  (as_bytes, differing: re-exported to the MoE tests)
 from dtensor_fp8._compat import dtensor_local
 
 LR = 1e-3
@@ -233,27 +234,4 @@ class MoERun:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Every parameter's local bytes (FP8 planes), every master's and the optimizer state's."""
-        out = {}
-        for n, p in self.named_parameters():
-            local = dtensor_local(p)
-            if isinstance(local, d.QuantizedTensor):
-                for usage, plane in local.planes.items():
-                    out[f"{n}/{usage}"] = plane.data.view(torch.uint8).clone()
-                    out[f"{n}/{usage}_scale"] = plane.scale_inv.contiguous().view(torch.uint8).clone()
-                out[f"{n}/master"] = dtensor_local(self.master_of(p)).detach().clone()
-            else:
-                out[n] = local.detach().clone()
-        for key, value in self.optimizers.state_dict().items():
-            if isinstance(value, torch.Tensor):
-                out[f"opt/{key}"] = dtensor_local(value).detach().clone()
-        return out
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def differing(expected: dict, got: dict) -> list[str]:
-    """Keys missing on either side or whose bytes differ."""
-    keys = sorted(set(expected) | set(got))
-    return [k for k in keys if k not in got or k not in expected or not torch.equal(as_bytes(expected[k]), as_bytes(got[k]))]
+        return snapshot(self.named_parameters(), self.optimizers, self.master_of)
