@@ -325,6 +325,25 @@ def test_resume_fsdp_x_tp_is_bit_exact(pools, tmp_path):
 
 
 # ---- pipeline parallelism over FSDP2: torchtitan's pipeline_llm, its schedule, its checkpointer ------
+def pipeline_step(run, arg_mbs, kwarg_mbs, target_mbs, valid_tokens: int) -> float:
+    """One step of ``run``'s pipeline schedule, optimizers and LR schedulers, as torchtitan's
+    ``pp_forward_backward_step`` and ``train_step`` run it: the last stage's summed micro-batch
+    losses, summed over the batch mesh and broadcast from the last stage over the ``pp`` group."""
+    pp_group = run.dims.get_mesh("pp").get_group()
+    last_rank = dist.get_global_rank(pp_group, run.dims.get_mesh("pp").size() - 1)
+    mb_losses = [] if run.last else None
+    run.schedule.step(arg_mbs=arg_mbs if run.first else None, kwarg_mbs=kwarg_mbs,
+                      target_mbs=target_mbs if run.last else None, losses=mb_losses,
+                      loss_kwargs={"global_valid_tokens": torch.tensor(float(valid_tokens))}, return_outputs=False)
+    run.optimizers.step()
+    run.schedulers.step()
+    run.optimizers.zero_grad()
+    total = torch.stack(mb_losses).sum().detach() if run.last else torch.zeros(())
+    dist.all_reduce(total, group=run.batch_mesh.get_group())
+    dist.broadcast(total, src=last_rank, group=pp_group)
+    return total.item()
+
+
 class _PipelineRun(_Run):
     """One torchtitan pp=2 x dp=2 setup on this rank, as its trainer builds it: ``pipeline_llm``
     splits the meta model into this rank's stage, applies ``parallelize_llama`` to it (FSDP2 with
@@ -384,8 +403,6 @@ class _PipelineRun(_Run):
         summed over the batch mesh and broadcast from the last stage over the ``pp`` group."""
         from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 
-        pp_group = self.dims.get_mesh("pp").get_group()
-        last_rank = dist.get_global_rank(pp_group, self.dims.get_mesh("pp").size() - 1)
         losses = []
         for step in steps:
             inputs, labels = self._batch(step)
@@ -396,18 +413,7 @@ class _PipelineRun(_Run):
                 arg_mbs.append((x,))
                 kwarg_mbs.append(extra)
                 target_mbs.append(y)
-            mb_losses = [] if self.last else None
-            self.schedule.step(arg_mbs=arg_mbs if self.first else None, kwarg_mbs=kwarg_mbs,
-                               target_mbs=target_mbs if self.last else None, losses=mb_losses,
-                               loss_kwargs={"global_valid_tokens": torch.tensor(float(self.dp * BATCH * SEQ))},
-                               return_outputs=False)
-            self.optimizers.step()
-            self.schedulers.step()
-            self.optimizers.zero_grad()
-            total = torch.stack(mb_losses).sum().detach() if self.last else torch.zeros(())
-            dist.all_reduce(total, group=self.batch_mesh.get_group())
-            dist.broadcast(total, src=last_rank, group=pp_group)
-            losses.append(total.item())
+            losses.append(pipeline_step(self, arg_mbs, kwarg_mbs, target_mbs, self.dp * BATCH * SEQ))
         return losses
 
     def _named_parameters(self):

@@ -73,8 +73,8 @@ class PipelineMoERun(moe.MoERun):
                                                                              training_steps=16)
 
     def train(self, steps) -> list[float]:
-        pp_group = self.dims.get_mesh("pp").get_group()
-        last_rank = dist.get_global_rank(pp_group, self.dims.get_mesh("pp").size() - 1)
+        from test_torchtitan import pipeline_step
+
         dp, rank = self.batch_mesh.size(), self.batch_mesh.get_local_rank()
         losses = []
         for step in steps:
@@ -84,18 +84,7 @@ class PipelineMoERun(moe.MoERun):
             args = [(mine[i:i + 1, :-1].contiguous(),) for i in range(moe.BATCH)]
             kwargs = [{"positions": torch.arange(moe.SEQ)[None]} for _ in range(moe.BATCH)]
             targets = [mine[i:i + 1, 1:].contiguous() for i in range(moe.BATCH)]
-            mb_losses = [] if self.last else None
-            self.schedule.step(arg_mbs=args if self.first else None, kwarg_mbs=kwargs,
-                               target_mbs=targets if self.last else None, losses=mb_losses,
-                               loss_kwargs={"global_valid_tokens": torch.tensor(float(dp * moe.BATCH * moe.SEQ))},
-                               return_outputs=False)
-            self.optimizers.step()
-            self.schedulers.step()
-            self.optimizers.zero_grad()
-            total = torch.stack(mb_losses).sum().detach() if self.last else torch.zeros(())
-            dist.all_reduce(total, group=self.batch_mesh.get_group())
-            dist.broadcast(total, src=last_rank, group=pp_group)
-            losses.append(total.item())
+            losses.append(pipeline_step(self, args, kwargs, targets, dp * moe.BATCH * moe.SEQ))
         return losses
 
 
