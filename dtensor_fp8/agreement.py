@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from .formats.base import RecipeError
 
 
-def _agreement_group(params: Iterable[torch.Tensor]):
+def agreement_group(params: Iterable[torch.Tensor]):
     """The process group spanning every rank that holds a shard of ``params`` (their DTensor
     meshes), or None when none is a DTensor (each rank holds its own copy: nothing to agree on).
 
@@ -43,7 +43,7 @@ def _agreement_group(params: Iterable[torch.Tensor]):
         params: parameters (or any tensors; the DTensors among them decide).
 
     Example:
-        >>> group = _agreement_group(model.parameters())   # fully_shard(model, mesh=init_device_mesh("cuda", (8,)))
+        >>> group = agreement_group(model.parameters())   # fully_shard(model, mesh=init_device_mesh("cuda", (8,)))
     """
     meshes = []
     for p in params:
@@ -71,7 +71,7 @@ def gather_findings(findings: list, group) -> list:
 
     Args:
         findings: this rank's (e.g. ``(kind, message)`` tuples).
-        group: from :func:`_agreement_group`, or a tuple of groups from ``groups.mesh_groups``.
+        group: from :func:`agreement_group`, or a tuple of groups from ``groups.mesh_groups``.
 
     Example:
         >>> problems = gather_findings(local_problems, mesh_groups(model.parameters()))
@@ -206,11 +206,11 @@ def agree(what: str, fn: Callable, *args, group=None, after: str = "",
 
 def agree_over(what: str, fn: Callable, *args, group, after: str = ""):
     """:func:`agree` over ``group``, a process group derived from the parameters' meshes
-    (``agreement._agreement_group``); None (no parameter is sharded, each rank holds its own
+    (``agreement.agreement_group``); None (no parameter is sharded, each rank holds its own
     copy): this rank alone, with the same message.
 
     Example:
-        >>> agree_over("load_hp_checkpoint(ckpt)", check, group=_agreement_group(model.parameters()))
+        >>> agree_over("load_hp_checkpoint(ckpt)", check, group=agreement_group(model.parameters()))
     """
     if group is not None:
         return agree(what, fn, *args, group=group, after=after)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .agreement import _agreement_group, agree_over
+from .agreement import agreement_group, agree_over
 from .formats.base import ROWWISE, RecipeError
 from .entry import plane_key
 from .placement import local_tensor
@@ -99,7 +99,7 @@ def export_fp8_hf(model: nn.Module, path: str, *, dtype: torch.dtype = torch.bfl
     """
     key_map = key_map or (lambda key: key)
     targets = hp_targets(model)
-    group = _agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
+    group = agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
     rank = dist.get_rank(group) if group is not None else 0
     world = dist.get_world_size(group) if group is not None else 1
     what = f"export_fp8_hf({path})"

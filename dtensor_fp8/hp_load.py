@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .placement import local_slice, local_tensor
 from .param_writes import write_hp_values_
-from .agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
+from .agreement import CheckpointError, CheckpointRecipeError, agreement_group, agree_over
 from .entry import is_extra_state
 from .state_dict import is_fp8, hp_targets
 from .tensor import QuantizedTensor
@@ -159,7 +159,7 @@ def stage_hp_values(model: nn.Module, state_dict: dict, optimizer=None, *, stric
     while optimizer is not None and not hasattr(optimizer, "master_of") and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer  # a framework's wrapper (accelerate's, Lightning's)
     master_of = optimizer.master_of if optimizer is not None else (lambda p: None)
-    group = _agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
+    group = agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
     missing = [k for k in targets if k not in state_dict]
     unexpected = sorted(k for k in state_dict if k not in targets)
 

@@ -37,7 +37,7 @@ from ..tensor import QuantizedTensor
 from .dcp_io import SafeFileSystemReader, SafeLoadPlanner, checksum_policy, open_checkpoint
 from .dcp_write import checkpoint_error_of
 from .dirs import METADATA_FILE
-from ..agreement import CheckpointError, CheckpointRecipeError, _agreement_group, agree_over
+from ..agreement import CheckpointError, CheckpointRecipeError, agreement_group, agree_over
 from .values import check_value
 
 _SHOWN = 8
@@ -100,7 +100,7 @@ def load_hp_checkpoint(model: nn.Module, path: str | None = None, *, optimizer=N
     name = os.fspath(path) if path is not None else f"{type(storage_reader).__name__}({getattr(storage_reader, 'path', '')})"
     what = f"load_hp_checkpoint({name})"
     targets = hp_targets(model)
-    group = _agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
+    group = agreement_group(t for t in targets.values() if isinstance(t, torch.Tensor))
     kept = {"group": group, "after": HP_UNTOUCHED}
     source = agree_over(what, open_source, path, storage_reader, verify, **kept)
     staging, missing, unexpected = agree_over(what, _plan, targets, source, strict, **kept)
