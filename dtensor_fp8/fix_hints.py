@@ -11,6 +11,8 @@ from __future__ import annotations
 #: the topic of the fix "train FP8 weights through high-precision masters, whose optimizer makes
 #: and updates their bytes" (a meta-built weight's pending bytes; an optimizer writing in place)
 MASTER_WEIGHTS = "master weights"
+#: the topic of the fix "shard an expert weight over its experts (dim 0), not inside each expert"
+EXPERT_SHARDING = "expert sharding"
 
 _HINTS: dict[str, dict[str, str]] = {}
 
@@ -20,7 +22,7 @@ def register_fix_hint(topic: str, integration: str, text: str) -> None:
     core whose fix is ``topic``; registering the same integration again replaces its text.
 
     Args:
-        topic: the fix's topic (:data:`MASTER_WEIGHTS`).
+        topic: the fix's topic (:data:`MASTER_WEIGHTS`, :data:`EXPERT_SHARDING`).
         integration: the integration's name (one text per integration and topic).
         text: what its users do instead.
 
@@ -39,4 +41,4 @@ def fix_hints(topic: str) -> str:
     return "".join(" " + text for text in _HINTS.get(topic, {}).values())
 
 
-__all__ = ["MASTER_WEIGHTS", "register_fix_hint", "fix_hints"]
+__all__ = ["EXPERT_SHARDING", "MASTER_WEIGHTS", "register_fix_hint", "fix_hints"]

@@ -125,7 +125,8 @@ def _fewer_experts_than_ranks():
     from torchtitan_moe import MoERun
 
     with pytest.raises(d.RecipeError, match=r"slice along dim 1 of an FP8 weight of shape \(1, 256, 256\).*"
-                                            r"Shard the experts \(dim 0\) instead, or keep this weight in high precision"):
+                                            r"Shard the experts \(dim 0\) instead, or keep this weight in high precision\. "
+                                            r"In torchtitan, keep efsdp x ep .* at or below the number of routed experts"):
         MoERun("deepseek_v3", "mxfp8", experts=1)
 
 

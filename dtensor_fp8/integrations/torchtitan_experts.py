@@ -36,6 +36,7 @@ from dataclasses import dataclass, fields
 
 from torchtitan.models.common.moe import GroupedExperts
 
+from ..fix_hints import EXPERT_SHARDING, register_fix_hint
 from ..formats.registry import recipe_named
 from ..formats.base import RecipeError
 from ..formats.experts import per_expert
@@ -130,3 +131,10 @@ def convert_grouped_experts(model_config, recipe_name: str, recipe, skip=()):
         else:
             setattr(parent, attr, new)
     return model_config
+
+
+# torchtitan's fully_shard cuts inside each expert (Shard(1)) once its ranks outnumber the experts,
+# which FP8 expert weights refuse (ops/slicing.py): the refusal names torchtitan's own knobs.
+register_fix_hint(EXPERT_SHARDING, "torchtitan", (
+    "In torchtitan, keep efsdp x ep (the ranks the routed experts are sharded over in the MoE layers' "
+    "mesh) at or below the number of routed experts, so that FSDP2 shards whole experts."))

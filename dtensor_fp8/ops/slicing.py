@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fix_hints import EXPERT_SHARDING, fix_hints
 from ..formats.base import USAGES, Plane, Recipe, RecipeError
 from ..op_table import QUANTIZED_OPS
 from ..tensor import QuantizedTensor, one_byte_as_uint8
@@ -135,7 +136,7 @@ def _leading_dims_only(q: QuantizedTensor, dim: int, what: str) -> int:
             f"{q.recipe.name}: {what} along dim {dim} of an FP8 weight of shape {tuple(q.shape)} is not supported: "
             "its planes are matrices with the leading dims flattened into rows, so only dim 0 (e.g. the experts of "
             "an [experts, out, in] weight: Shard(0)) and the last dim can be cut. Shard the experts (dim 0) instead, "
-            "or keep this weight in high precision.")
+            "or keep this weight in high precision." + fix_hints(EXPERT_SHARDING))
     return q.rows_per_index
 
 
