@@ -79,7 +79,6 @@ class _Run:
         """``ac``: torchtitan's activation-checkpointing config (``SelectiveAC.Config()``, ...) or ``None``;
         ``checkpoint``: the checkpointer's config (default: one that saves everything at every step);
         ``optimizer``: the optimizers container's config (default: the one the recipe needs)."""
-        from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -95,13 +94,7 @@ class _Run:
         #: the parameters right after parallelization (before to_empty): name -> (class of the local tensor, recipe)
         self.parallelized = {n: (type(dtensor_local(p)).__name__, getattr(dtensor_local(p), "recipe", None))
                              for n, p in model.named_parameters()}
-        if BACKEND != "nccl":
-            for m in model.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)
+        init_model_parts([model], device, force_sum_reduction=BACKEND != "nccl")
         self.model = model
         optimizer = optimizer or (default_adamw if recipe is None else master_weight_adamw)(lr=LR)
         self.optimizers = optimizer.build(model_parts=[model])
@@ -325,6 +318,23 @@ def test_resume_fsdp_x_tp_is_bit_exact(pools, tmp_path):
 
 
 # ---- pipeline parallelism over FSDP2: torchtitan's pipeline_llm, its schedule, its checkpointer ------
+def init_model_parts(parts, device, *, force_sum_reduction: bool) -> None:
+    """Materialize model parts (a model, or its pipeline stages) built on meta as torchtitan's trainer does (``to_empty``,
+    ``init_weights``, train mode); with ``force_sum_reduction`` their FSDP2 modules reduce with SUM
+    (gloo has no PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        if force_sum_reduction:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        part.to_empty(device=device)
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+
+
 def pipeline_step(run, arg_mbs, kwarg_mbs, target_mbs, valid_tokens: int) -> float:
     """One step of ``run``'s pipeline schedule, optimizers and LR schedulers, as torchtitan's
     ``pp_forward_backward_step`` and ``train_step`` run it: the last stage's summed micro-batch
@@ -377,15 +387,7 @@ class _PipelineRun(_Run):
                   if isinstance(m, FSDPModule)]
         self.reshard_after_forward = sorted({g.post_forward_mesh_info is not None for g in groups if g is not None})
         torch.manual_seed(0)
-        for part in parts:
-            if BACKEND != "nccl":
-                for m in part.modules():
-                    if isinstance(m, FSDPModule):
-                        m.set_force_sum_reduction_for_comms(True)
-            part.to_empty(device=device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=None)
-            part.train()
+        init_model_parts(parts, device, force_sum_reduction=BACKEND != "nccl")
         self.parts = parts
         self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=LR).build(model_parts=parts)
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,

@@ -16,6 +16,7 @@ if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]', see pyproject)")
 
 import torchtitan_moe as moe  # noqa: E402
+from test_torchtitan import init_model_parts, pipeline_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(4 not in WORLD_SIZES, reason="the suite runs without world size 4")
 #: the dense first layer and two MoE layers: a stage each
@@ -28,7 +29,6 @@ class PipelineMoERun(moe.MoERun):
 
     def __init__(self, recipe: str | None):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
-        from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.loss import CrossEntropyLoss
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -60,21 +60,12 @@ class PipelineMoERun(moe.MoERun):
         self.parts = parts
         self.parallelized = self.fp8_weights()
         torch.manual_seed(0)
-        for part in parts:
-            for m in part.modules():
-                if isinstance(m, FSDPModule):
-                    m.set_force_sum_reduction_for_comms(True)
-            part.to_empty(device=device)
-            with torch.no_grad():
-                part.init_weights(buffer_device=None)
-            part.train()
+        init_model_parts(parts, device, force_sum_reduction=True)
         self.optimizers = (default_adamw if recipe is None else master_weight_adamw)(lr=moe.LR).build(model_parts=parts)
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
                                                                              training_steps=16)
 
     def train(self, steps) -> list[float]:
-        from test_torchtitan import pipeline_step
-
         dp, rank = self.batch_mesh.size(), self.batch_mesh.get_local_rank()
         losses = []
         for step in steps:
