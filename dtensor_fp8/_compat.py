@@ -29,6 +29,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 #: ``(major, minor)`` of the running torch.
@@ -46,8 +47,6 @@ def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     Example:
         >>> dtensor_local(model.weight)   # the QuantizedTensor shard of an FSDP parameter
     """
-    from torch.distributed.tensor import DTensor
-
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
