@@ -1,8 +1,14 @@
-"""torchtitan 0.3's DeepSeek-V3 debug model with FP8 routed-expert weights
-(``FP8ParameterConverter.Config(targets="experts" | "both")``, integrations/torchtitan_experts.py):
-its config through ``model_registry``, the meta build, ``parallelize_deepseekv3`` (FSDP2 on 2 gloo
-ranks), ``to_empty``, ``init_weights``, ``master_weight_adamw`` and training steps, as
-tests/test_torchtitan.py drives the Llama3 debug model (the trainer itself imports ``datasets``)."""
+"""torchtitan 0.3's MoE models with FP8 routed-expert weights
+(``FP8ParameterConverter.Config(targets="experts" | "both")``, integrations/torchtitan_experts.py)
+through torchtitan's own setup (tests/torchtitan_moe.py's ``MoERun``): DeepSeek-V3's debug model and
+Qwen3's MoE debug config, one MoE layer with the fewest routed experts torchtitan runs at every
+layout (``FEWEST_EXPERTS``), at each layout -- FSDP2 over 2 and over 4 gloo ranks, EP 2 x FSDP2 2
+(torchtitan's ``ep`` mesh dim shards the experts, FSDP2 shards them again over ``efsdp``), PP 2 x
+FSDP2 2 (``pipeline_llm``, 1F1B) -- with every recipe; the converter's targets switch; the refusal of
+FSDP over more ranks than experts.
+
+Cost (CI runs this on 2 cores): one pool call per (family, layout) builds the run with bf16 experts
+once, then every recipe's run in the same rank processes; 3 steps each."""
 
 from __future__ import annotations
 
@@ -10,95 +16,98 @@ import pytest
 import torch
 
 import dtensor_fp8 as d
-from dist_utils import BACKEND, WORLD_SIZES, backend_spec
+from dist_utils import WORLD_SIZES
 
 if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
     pytest.skip(f"torchtitan 0.3 needs torch >= 2.14 (this is {torch.__version__})", allow_module_level=True)
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]', see pyproject)")
 
-import torch.distributed as dist  # noqa: E402
+from torchtitan_moe import FEWEST_EXPERTS, MOE_LAYERS, ROUTED, MoERun, differing  # noqa: E402
 
-from dtensor_fp8._compat import dtensor_local  # noqa: E402
-from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter, master_weight_adamw  # noqa: E402
+STEPS = 3
+#: layout -> (world size, MoERun's parallelism arguments)
+LAYOUTS = {"fsdp2": (2, {}), "fsdp4": (4, {}), "ep2_fsdp2": (4, {"ep": 2}), "pp2_fsdp2": (4, {"pp": 2})}
+#: the layout whose runs also resume from a checkpoint (the one whose expert DTensors have most mesh dims)
+RESUMED = "ep2_fsdp2"
 
-SEQ, BATCH, VOCAB = 32, 2, 2048
-MOE_LAYERS = 2  # of the debug model's 5 (6 layers, the first dense): the test keeps 3 layers
+
+def _every_recipe(family: str, layout: str, root: str) -> dict:
+    """The run with bf16 experts, then each recipe's: which weights are FP8 (parallelized, after
+    training), losses, the gathered planes against per-expert ``quantize`` (before and after
+    training, and what FSDP2 gathered for the grouped GEMMs); at ``RESUMED`` each recipe's run saves
+    after its first step through ``CheckpointManager`` and a fresh run resumes from there."""
+    kwargs = dict(LAYOUTS[layout][1], experts=FEWEST_EXPERTS[family])
+    bf16 = MoERun(family, None, **kwargs)
+    out = {"bf16": bf16.train(range(STEPS)), "routed": sorted(bf16.routed())}
+    resume = layout == RESUMED
+    for recipe in d.RECIPES:
+        folder = f"{root}/{recipe}" if resume else None
+        run = MoERun(family, recipe, ckpt_dir=folder, **kwargs)
+        r = {"parallelized": run.parallelized, "unlike_before": run.unlike_per_expert_quantize()}
+        if resume:
+            r["losses"] = run.train(range(1))
+            assert run.checkpointer.save(curr_step=1)
+            r["losses"] += run.train(range(1, STEPS))
+            expected = run.snapshot()
+            run.checkpointer.close()
+        else:
+            r["losses"] = run.train(range(STEPS))
+        r.update(fp8_after=run.fp8_weights(), unlike_after=run.unlike_per_expert_quantize(),
+                 gathered_unlike=run.fsdp_gathered_unlike())
+        if resume:
+            resumed = MoERun(family, recipe, ckpt_dir=folder, **kwargs)
+            assert resumed.checkpointer.load(step=1)
+            r["resumed_losses"] = resumed.train(range(1, STEPS))
+            r["resume_differ"] = differing(expected, resumed.snapshot())
+            r["resumed_fp8_entries"] = sorted(k for k in expected if ROUTED in k)
+            resumed.checkpointer.close()
+        out[recipe] = r
+    return out
 
 
-def _config(recipe: str | None, targets: str = "experts"):
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", list(FEWEST_EXPERTS))
+def test_fp8_experts_train_like_bf16_every_recipe(pools, tmp_path, family, layout):
+    """Every routed expert weight (and nothing else) is FP8 after parallelization and after
+    training, per expert (``PerExpert``); the gathered planes (DTensor's, before and after
+    training, and FSDP2's) equal per-expert ``quantize`` of the master as uint8 (delayed scaling:
+    with the scales of its amax history); the losses within 1 % of the run with bf16 experts on
+    the same layout. At EP 2 x FSDP2 2, resuming from the checkpoint after step 1 gives the same
+    losses, FP8 bytes, scales, masters and optimizer state as the uninterrupted run, bit for bit."""
+    world = LAYOUTS[layout][0]
+    if world not in WORLD_SIZES:
+        pytest.skip(f"the suite runs without world size {world}")
+    out = pools[world].run(_every_recipe, family, layout, str(tmp_path))
+    routed = {n for o in out for n in o["routed"]}  # pipelined: each stage's own
+    assert len(routed) == 3 * MOE_LAYERS and all(ROUTED in n for n in routed), sorted(routed)
+    bf16 = out[0]["bf16"]
+    assert all(o["bf16"] == bf16 for o in out) and len(bf16) == STEPS
+    for recipe in d.RECIPES:
+        losses = out[0][recipe]["losses"]
+        for rank, o in enumerate(out):
+            r = o[recipe]
+            assert r["losses"] == losses, (recipe, rank)
+            assert set(r["parallelized"]) == set(o["routed"]), (recipe, rank, r["parallelized"])
+            assert all(v.startswith("PerExpert(") for v in r["parallelized"].values()), r["parallelized"]
+            assert r["fp8_after"] == r["parallelized"], (recipe, rank)
+            assert r["unlike_before"] == [] and r["unlike_after"] == [] and r["gathered_unlike"] == [], (recipe, rank, r)
+            if layout == RESUMED:
+                assert r["resume_differ"] == [], (recipe, rank, r["resume_differ"][:8])
+                assert r["resumed_losses"] == losses[1:], (recipe, rank)
+                # each of this rank's expert weights: its planes' bytes, scales and master
+                assert len(r["resumed_fp8_entries"]) >= 3 * len(o["routed"]) and o["routed"], r["resumed_fp8_entries"]
+        for a, b in zip(losses, bf16, strict=True):
+            assert abs(a - b) <= 0.01 * b, (recipe, losses, bf16)
+
+
+def _config(recipe: str, targets: str):
+    """DeepSeek-V3's debug model config (5 MoE layers) through ``model_registry`` with the converter."""
     from torchtitan.models.deepseek_v3 import model_registry
-    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 
-    converters = None if recipe is None else [FP8ParameterConverter.Config(recipe=recipe, targets=targets,
-                                                                           filter_fqns=["lm_head", "router"])]
-    config = model_registry("debugmodel", converters=converters).model
-    config.layers = config.layers[:1 + MOE_LAYERS]  # the dense first layer and MOE_LAYERS MoE layers (test time)
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=False)
-    return config
+    from dtensor_fp8.integrations.torchtitan import FP8ParameterConverter
 
-
-def _train(recipe: str | None, targets: str = "experts", steps: int = 3):
-    """FSDP2 over all ranks through parallelize_deepseekv3; the global mean losses and which
-    parameters are FP8 (name -> recipe repr)."""
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims, utils as dist_utils
-    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
-
-    device = backend_spec(BACKEND).device
-    parallel_dims_module.device_type = device
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
-    dist_utils.set_spmd_backend("partial_dtensor")
-    dims = ParallelDims.from_config(parallelism, dist.get_world_size())
-    dims.build_mesh()
-    with torch.device("meta"):
-        model = _config(recipe, targets).build()
-    model = parallelize_deepseekv3(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                   compile_config=CompileConfig(), ac_config=None, dump_folder="")
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (see test_torchtitan.py)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    opt = (default_adamw if recipe is None else master_weight_adamw)(lr=1e-3).build(model_parts=[model])
-    world, rank = dist.get_world_size(), dist.get_rank()
-    losses = []
-    for step in range(steps):
-        tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step % 2))
-        mine = tokens[rank * BATCH:(rank + 1) * BATCH].to(device)
-        logits = model(mine[:, :-1].contiguous(), positions=torch.arange(SEQ).expand(BATCH, SEQ).contiguous())
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    fp8 = {n: repr(dtensor_local(p).recipe) for n, p in model.named_parameters()
-           if isinstance(dtensor_local(p), d.QuantizedTensor)}
-    return losses, fp8
-
-
-@pytest.mark.parametrize("recipe", ["mxfp8"])
-def test_fsdp_two_ranks_fp8_experts_train_like_bf16(pools, recipe):
-    if 2 not in WORLD_SIZES:
-        pytest.skip("2 ranks")
-    bf16, none = pools[2].run(_train, None)[0]
-    losses, fp8 = pools[2].run(_train, recipe, "experts")[0]
-    assert not none
-    assert len(fp8) == 3 * MOE_LAYERS and all("inner_experts.w" in n for n in fp8), sorted(fp8)
-    assert all(r.startswith("PerExpert(") for r in fp8.values())
-    assert losses[-1] < losses[0], losses
-    # the same init and data: FP8 expert weights change the loss by FP8 rounding only
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(bf16), rtol=0.02, atol=0)
+    converter = FP8ParameterConverter.Config(recipe=recipe, targets=targets, filter_fqns=["lm_head", "router"])
+    return model_registry("debugmodel", converters=[converter]).model
 
 
 def test_converter_targets_switch():
@@ -111,7 +120,7 @@ def test_converter_targets_switch():
         return experts, linears
 
     experts, linears = kinds(_config("mxfp8", "experts"))
-    assert len(experts) == MOE_LAYERS and all("FP8Parameter" in e for e in experts)
+    assert len(experts) == 5 and all("FP8Parameter" in e for e in experts)
     assert not any("FP8Parameter" in k for k in linears)
     experts, linears = kinds(_config("mxfp8", "dense"))
     assert not any("FP8Parameter" in e for e in experts) and any("FP8Parameter" in k for k in linears)
@@ -122,8 +131,6 @@ def test_converter_targets_switch():
 
 
 def _fewer_experts_than_ranks():
-    from torchtitan_moe import MoERun
-
     with pytest.raises(d.RecipeError, match=r"slice along dim 1 of an FP8 weight of shape \(1, 256, 256\).*"
                                             r"Shard the experts \(dim 0\) instead, or keep this weight in high precision\. "
                                             r"In torchtitan, keep efsdp x ep .* at or below the number of routed experts"):

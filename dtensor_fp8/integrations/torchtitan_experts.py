@@ -17,12 +17,12 @@ subclass, as torchtitan's own ``Float8GroupedExpertsConverter`` does. The subcla
 * keeps torchtitan's checkpointer's state-dict layout: each expert weight's entry flattened into
   tensors (``torchtitan_state_dict.py``), as ``FP8ParameterLinear``'s.
 
-Tested through torchtitan's own functions (tests/torchtitan_moe.py): FSDP2 at 2 ranks (DeepSeek-V3,
-Qwen3 MoE, every recipe); expert parallelism, EP 2 x FSDP2 2 at 4 ranks (torchtitan's
+Tested through torchtitan's own functions (tests/torchtitan_moe.py), DeepSeek-V3 and Qwen3 MoE,
+every recipe: FSDP2 at 2 and 4 ranks; expert parallelism, EP 2 x FSDP2 2 at 4 ranks (torchtitan's
 ``distribute_tensor`` ``Shard(0)`` on ``ep``, then ``fully_shard`` over ``efsdp``: the expert DTensor is
 ``(_StridedShard(0), Shard(0))`` over whole experts, which the owner record places, gathers,
 completes and checkpoints as any ``Shard(0)``); PP 2 x FSDP2 2 through ``pipeline_llm``; resume
-through ``CheckpointManager`` and FSDP2 -> EP reshard, byte-exact.
+through ``CheckpointManager`` and FSDP2 <-> EP reshard, byte-exact.
 
 What is not done yet (issue 48's next slices): TP ``Shard(1)`` / ``Shard(2)`` of expert weights and
 FSDP2's ``Shard(1)`` of them (torchtitan picks it when ``efsdp * ep`` exceeds the expert count:
