@@ -77,9 +77,9 @@ def _tp_reference(full, x, counts, upstream):
     return y.float(), parts[0][1] + sum(p[1] for p in parts[1:])
 
 
-def _mesh():
+def _mesh(tp=TP):
     world = dist.get_world_size()
-    return init_device_mesh(DEVICE, (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(DEVICE, (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def _tp_experts(recipe, mesh):
@@ -188,3 +188,49 @@ def test_expert_rows_cut_inside_blocks_is_refused_naming_the_fix():
     pieces = torch.chunk(q, 4, dim=1)
     assert all(torch.equal(p.plane("rowwise").scale_inv, q.plane("rowwise").scale_inv) for p in pieces)
     assert _equal(torch.cat(pieces, 1), q) == [] and EXPERTS
+
+
+def _gathered(model, opt):
+    """Every expert weight's stored planes (bytes) and master, gathered whole."""
+    out = {}
+    for n in PLACEMENTS:
+        p = getattr(model, n)
+        for usage in p.to_local().usages:
+            plane = d.for_usage(p, usage).full_tensor().plane(usage)
+            out[f"{n}/{usage}"] = _bytes(plane.data).clone()
+            out[f"{n}/{usage}/scale"] = _bytes(plane.scale_inv.contiguous()).clone()
+        out[f"{n}/master"] = opt.masters[n].full_tensor().detach().clone()
+    return out
+
+
+def _dcp_across_tp(name, root):
+    """Saved (model and optimizer, through DCP on disk) with the experts TP-sharded (dp x tp 2), loaded
+    with FSDP2 alone (tp 1) and back into the TP layout: every plane and master as saved, byte for byte."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(tp):
+        model = _tp_experts(d.RECIPES[name], _mesh(tp))
+        return model, d.MasterWeightOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+    def load(tp):
+        model, opt = build(tp)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        d.load_checkpoint(state, d.latest_checkpoint(root))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return _gathered(model, opt)
+
+    model, opt = build(TP)
+    x, counts, upstream = inputs()
+    (model(x.clone(), counts, _mesh()["tp"].get_group()) * upstream).sum().backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 1)
+    saved = _gathered(model, opt)
+    return [f"tp{tp}/{k}" for tp in (1, TP) for k, v in load(tp).items() if not torch.equal(v, saved[k])]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dcp_saved_at_one_tp_degree_loads_at_another(pools, tmp_path, name):
+    for bad in pools[WORLD_SIZES[0]].run(_dcp_across_tp, name, str(tmp_path / "ckpt")):
+        assert bad == [], bad

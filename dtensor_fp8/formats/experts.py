@@ -166,6 +166,10 @@ class PerExpert(Recipe):
                     "or keep these experts in high precision.")
         return PerExpert(self.base, stop - start)
 
+    def of_whole(self, shape) -> "PerExpert":
+        """The recipe of the whole ``[E, out, in]`` weight a piece of each expert's rows was cut from."""
+        return self.with_expert_rows(tuple(shape)[1])
+
     def with_expert_rows(self, rows: int) -> "PerExpert":
         """This recipe for experts of ``rows`` output rows (row pieces joined back: ``ops/expert_rows.py``)."""
         return PerExpert(self.base, rows)
