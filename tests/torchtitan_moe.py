@@ -73,7 +73,7 @@ class MoERun:
     """One torchtitan training setup of an MoE model on this rank (see the module docstring)."""
 
     def __init__(self, family: str, recipe: str | None, *, ep: int = 1, ckpt_dir: str | None = None,
-                 experts: int | None = None):
+                 experts: int | None = None, checkpoint=None):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
@@ -120,10 +120,12 @@ class MoERun:
         self.loss_fn = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(
-                enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False).build(
+            # ``checkpoint``: another config (a Hugging Face save or initial load), built with the model's adapter
+            self.checkpointer = (checkpoint or CheckpointManager.Config(
+                enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False)).build(
                 dataloader=None, model_parts=[model], optimizers=self.optimizers, lr_schedulers=self.schedulers,
-                states={}, sd_adapter=None, base_folder=ckpt_dir)
+                states={}, sd_adapter=spec.state_dict_adapter(spec.model, None) if checkpoint else None,
+                base_folder=ckpt_dir)
 
     def train(self, steps) -> list[float]:
         """Steps over two fixed batches (the loss falls by memorizing them); the global mean loss."""
