@@ -234,3 +234,18 @@ def _dcp_across_tp(name, root):
 def test_dcp_saved_at_one_tp_degree_loads_at_another(pools, tmp_path, name):
     for bad in pools[WORLD_SIZES[0]].run(_dcp_across_tp, name, str(tmp_path / "ckpt")):
         assert bad == [], bad
+
+
+def _fsdp_inside_experts():
+    model = fp8_experts(d.RECIPES["mxfp8"])
+    with pytest.raises(d.RecipeError, match=r"like an FP8 weight of shape \(8, 256, 128\).*FSDP2's shard of a dim in "
+                                            r"between.*Shard the experts \(dim 0\) instead"):
+        fully_shard(model, mesh=init_device_mesh(DEVICE, (dist.get_world_size(),)), shard_placement_fn=lambda p: Shard(1))
+
+
+def test_fsdp_shard_inside_experts_is_refused_by_fully_shard(pools):
+    """FSDP2's own ``Shard(1)`` of an expert weight (torchtitan's choice with more ranks than experts):
+    the slicing accepts whole-block pieces (TP's), but FSDP2 would reassemble each gathered tensor by
+    viewing it as the weight's shape, which the scale grids are not: ``fully_shard`` refuses, naming
+    the fix."""
+    pools[WORLD_SIZES[0]].run(_fsdp_inside_experts)

@@ -242,8 +242,12 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLA
     device = device or q.device
     if len(shape) > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
         if list(shape[1:-1]) != list(q.shape[1:-1]) or q.dim() != len(shape):
-            raise RecipeError(f"{q.recipe.name}: a tensor of shape {tuple(shape)} like an FP8 weight of shape "
-                              f"{tuple(q.shape)}: only dim 0 and the last dim may differ")
+            raise RecipeError(
+                f"{q.recipe.name}: a tensor of shape {tuple(shape)} like an FP8 weight of shape {tuple(q.shape)}: only dim 0 "
+                "and the last dim may differ (FSDP2's shard of a dim in between, e.g. its Shard(1) of an [experts, out, in] "
+                "weight, would have to be reassembled by viewing each gathered plane and scale grid as the weight's "
+                "shape). Shard the experts (dim 0) instead, or keep this weight in high precision."
+                + fix_hints(EXPERT_SHARDING))
         f = q.rows_per_index
         return zeros_like_quantized(q.as_matrix(), (shape[0] * f, shape[-1]), device, phase).with_shape(shape)
     if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
