@@ -204,6 +204,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
     full = isinstance(param, DTensor) and _holds_full_planes(entry, param)
     shape = tuple(param.shape) if full else tuple(q.shape)
     matrix = as_matrix_shape(shape)  # the planes' shape (leading dims flattened)
+    whole = q.recipe.of_whole(shape)  # a full entry of a TP piece's weight holds the whole weight's blocks
     planes = {}
     for usage, plane in q.planes.items():
         missing = [k for k in (plane_key(usage, "data"), plane_key(usage, "scale_inv")) if k not in entry]
@@ -216,7 +217,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
             scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, tuple(plane.scale_inv.shape))
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
             scale = split.touched(scale, tuple(plane.scale_inv.shape))  # a plain tensor of the whole grid
-        want = (matrix, q.recipe.block_shape(usage).grid(matrix)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
+        want = (matrix, whole.block_shape(usage).grid(matrix)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
                 f"{name}: {usage} plane of shape {tuple(data.shape)} / scales {tuple(scale.shape)} in the checkpoint, "
@@ -240,7 +241,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 
     loaded_state = FP8ParamState(ScalingState(weight=saved(weight, per_index=q.recipe.scaling_state_per_index),
                                               operand=saved(own)))
-    loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
+    loaded = QuantizedTensor.from_planes(planes, whole, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
     return like(param, loaded)

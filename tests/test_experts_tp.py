@@ -201,8 +201,10 @@ def _gathered(model, opt):
 
 def _dcp_across_tp(name, root):
     """Saved (model and optimizer, through DCP on disk) with the experts TP-sharded (dp x tp 2), loaded
-    with FSDP2 alone (tp 1) and back into the TP layout: every plane and master as saved, byte for byte."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    with FSDP2 alone (tp 1) and back into the TP layout: every plane and master as saved, byte for byte;
+    torch's full state dict of the same model loads into either layout with the same planes."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
 
     def build(tp):
         model = _tp_experts(d.RECIPES[name], _mesh(tp))
@@ -223,7 +225,16 @@ def _dcp_across_tp(name, root):
     model_sd, optim_sd = get_state_dict(model, opt)
     d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 1)
     saved = _gathered(model, opt)
-    return [f"tp{tp}/{k}" for tp in (1, TP) for k, v in load(tp).items() if not torch.equal(v, saved[k])]
+    bad = [f"tp{tp}/{k}" for tp in (1, TP) for k, v in load(tp).items() if not torch.equal(v, saved[k])]
+    # torch's full state dict of the TP pieces (every rank the whole planes) loads into the other layout
+    options = StateDictOptions(full_state_dict=True)
+    full = get_model_state_dict(model, options=options)
+    for tp in (1, TP):
+        fresh, fresh_opt = build(tp)
+        set_model_state_dict(fresh, full, options=options)
+        got = _gathered(fresh, fresh_opt)
+        bad += [f"full/tp{tp}/{k}" for k, v in got.items() if not k.endswith("master") and not torch.equal(v, saved[k])]
+    return bad
 
 
 @pytest.mark.parametrize("name", NAMES)
