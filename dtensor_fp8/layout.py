@@ -85,13 +85,14 @@ def splits_blocks(layout: Layout | None, dim: int, block: int | None) -> bool:
 def rows_per_index(layout: Layout) -> int:
     """Plane rows per index along dim 0 of the weight ``layout`` lays out: its planes are matrices
     with the leading dims flattened into rows (``tensor.py``'s note on tensors of more than two
-    dims), so 1 for a 2-D weight and ``out`` for an ``[experts, out, in]`` one.
+    dims), so 1 for a 2-D weight and ``out`` for an ``[experts, out, in]`` one: this rank's ``out``,
+    a tensor-parallel ``Shard(1)`` piece being an expert weight of its own (``ops/expert_rows.py``).
 
     Example:
-        >>> rows_per_index(layout_of(experts.w1))   # w1: [8, 256, 128]
+        >>> rows_per_index(layout_of(experts.w1))   # w1: [8, 256, 128]; (Shard(0), Shard(1)) over (2, 2): 128
         256
     """
-    return math.prod(layout.shape[1:-1])
+    return math.prod(dim_pieces(layout, d)[0][1] - dim_pieces(layout, d)[0][0] for d in range(1, len(layout.shape) - 1))
 
 
 class SplitBlocks(NamedTuple):

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from . import _compat
 from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
+from .expert_entries import as_plane_matrix, expert_plane_entries
 from .formats.base import Plane, RecipeError, as_matrix_shape
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState, ScalingState
@@ -74,32 +75,6 @@ def _scale_placements(param: DTensor, recipe, usage, placements=None):
         Replicate() if shard_dim(p) is not None and recipe.spans_dim(usage, shard_dim(p)) else p
         for p in (param.placements if placements is None else placements)
     ]
-
-
-def _matrix_layout(param: DTensor):
-    """``(placements, global shape)`` of the planes of ``param``: matrices whose rows are its leading
-    dims flattened (``tensor.py``'s note on tensors of more than two dims), sharded where ``param`` is
-    sharded along its first or last dim; ``param``'s own for a 2-D weight."""
-    if param.dim() == 2:
-        return list(param.placements), tuple(param.shape)
-    last = param.dim() - 1
-    placements = []
-    for pl in param.placements:
-        dim = shard_dim(pl)
-        if dim is None:
-            placements.append(pl)
-        elif dim == 0 and isinstance(pl, _compat.strided_shard_class()):
-            # FSDP2 over experts that expert parallelism sharded first (torchtitan's efsdp after ep):
-            # whole experts (fsdp.py refuses uneven ones), so the rows are chunked as the experts are
-            placements.append(pl)
-        elif dim in (0, last) and type(pl) is Shard:
-            placements.append(Shard(0 if dim == 0 else 1))
-        else:
-            raise RecipeError(
-                f"{local_tensor(param).recipe.name}: an FP8 weight of shape {tuple(param.shape)} sharded as "
-                f"{tuple(param.placements)}: its planes flatten the leading dims into rows, so only Shard(0) (the "
-                f"experts of an expert weight) and Shard({last}) can be saved. Shard dim 0 instead.")
-    return placements, as_matrix_shape(param.shape)
 
 
 def _dim0_placements(param: DTensor) -> list:
@@ -134,7 +109,7 @@ def plane_entries(param: torch.Tensor) -> dict:
     """
     q = local_tensor(param)
     q.check_bytes_made()
-    entry = {RECIPE_KEY: recipe_config(q.recipe)}
+    entry = {RECIPE_KEY: recipe_config(q.recipe.of_whole(param.shape))}  # a TP piece's: its weight's recipe
     record = q.param_state.scaling
     record.ensure_operand_states(q.recipe, q.device)
     for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
@@ -144,8 +119,16 @@ def plane_entries(param: torch.Tensor) -> dict:
         value = value.detach().clone()
         # a state with a row per index of dim 0 (per expert) is sharded as the weight's dim 0 is
         entry[name] = _sharded_like_dim0(param, value) if name in per_index else value
+    if q.dim() > 2:  # expert weights: the planes in the weight's own dims (expert_entries.py's note)
+        if isinstance(param, DTensor):
+            return {**entry, **expert_plane_entries(param, q)}
+        for usage, plane in q.planes.items():
+            entry[plane_key(usage, "data")] = one_byte_as_uint8(plane.data).clone().reshape(q.shape)
+            scale = one_byte_as_uint8(plane.scale_inv).clone()
+            entry[plane_key(usage, "scale_inv")] = scale.reshape(q.shape[0], -1, scale.shape[-1])
+        return entry
     if isinstance(param, DTensor):
-        matrix_placements, matrix = _matrix_layout(param)
+        matrix_placements, matrix = list(param.placements), tuple(param.shape)
     for usage, plane in q.planes.items():
         data = one_byte_as_uint8(plane.data).clone()
         scale = one_byte_as_uint8(plane.scale_inv).clone()
@@ -217,22 +200,24 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
         name: its FQN, for messages.
     """
     q = local_tensor(param)
-    check_saved_recipe(name, entry.get(RECIPE_KEY), q.recipe)
+    check_saved_recipe(name, entry.get(RECIPE_KEY), q.recipe.of_whole(param.shape))
     full = isinstance(param, DTensor) and _holds_full_planes(entry, param)
     shape = tuple(param.shape) if full else tuple(q.shape)
     matrix = as_matrix_shape(shape)  # the planes' shape (leading dims flattened)
+    whole = q.recipe.of_whole(shape)  # a full entry of a TP piece's weight holds the whole weight's blocks
     planes = {}
     for usage, plane in q.planes.items():
         missing = [k for k in (plane_key(usage, "data"), plane_key(usage, "scale_inv")) if k not in entry]
         if missing:
             raise RecipeError(f"{name}: checkpoint entry lacks {missing} (has {sorted(entry)}); the model needs the {usage} plane")
         data, scale = local_tensor(entry[plane_key(usage, "data")]), local_tensor(entry[plane_key(usage, "scale_inv")])
+        data, scale = as_plane_matrix(data), as_plane_matrix(scale)  # an expert weight's (expert_entries.py)
         split = None if full or not isinstance(param, DTensor) else split_blocks(param, usage)
         if split is not None and isinstance(entry[plane_key(usage, "scale_inv")], DTensor):
             scale = _touched_rows(entry[plane_key(usage, "scale_inv")], split, tuple(plane.scale_inv.shape))
         elif split is not None and tuple(scale.shape) != tuple(plane.scale_inv.shape):
             scale = split.touched(scale, tuple(plane.scale_inv.shape))  # a plain tensor of the whole grid
-        want = (matrix, q.recipe.block_shape(usage).grid(matrix)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
+        want = (matrix, whole.block_shape(usage).grid(matrix)) if full else (tuple(plane.data.shape), tuple(plane.scale_inv.shape))
         if tuple(data.shape) != want[0] or tuple(scale.shape) != tuple(want[1]):
             raise RecipeError(
                 f"{name}: {usage} plane of shape {tuple(data.shape)} / scales {tuple(scale.shape)} in the checkpoint, "
@@ -256,7 +241,7 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 
     loaded_state = FP8ParamState(ScalingState(weight=saved(weight, per_index=q.recipe.scaling_state_per_index),
                                               operand=saved(own)))
-    loaded = QuantizedTensor.from_planes(planes, q.recipe, shape, q.dtype, q.usages, param_state=loaded_state)
+    loaded = QuantizedTensor.from_planes(planes, whole, shape, q.dtype, q.usages, param_state=loaded_state)
     if full:  # this rank's block-aligned shard of the full weight (views)
         loaded = local_slice(loaded, param)
     return like(param, loaded)
@@ -283,13 +268,13 @@ def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
 def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
     """The scales of the blocks this rank's shard touches (a ``grid``), from a loaded grid DTensor
     ``saved`` (whole along the split dims: see the note)."""
-    return split.touched(saved.to_local(), grid)
+    return split.touched(as_plane_matrix(saved.to_local()), grid)
 
 
 def _holds_full_planes(entry: dict, param: DTensor) -> bool:
     data = entry.get(plane_key(next(iter(local_tensor(param).planes)), "data"))
     matrix = as_matrix_shape(param.shape)
-    return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) == matrix
+    return (data is not None and not isinstance(data, DTensor) and tuple(data.shape) in (matrix, tuple(param.shape))
             and tuple(param.shape) != tuple(dtensor_local(param).shape))
 
 

@@ -141,8 +141,10 @@ def test_grouped_mm_refusals():
         grouped_mm(torch.randn(4, 32), q.transpose(-2, -1), offs)
     with pytest.raises(d.RecipeError, match="only the transpose of the last two dims"):
         q.transpose(0, 1)
-    # out rows (Shard(1)) of an expert weight are not a contiguous piece of its flattened planes: refused
-    with pytest.raises(d.RecipeError, match=r"slice along dim 1 .*Shard the experts \(dim 0\)"):
+    # out rows (Shard(1)) of an expert weight cut inside an expert's blocks (here its one 64-row block of
+    # 1x128's columnwise plane): refused, naming the fix (tests/test_experts_tp.py: whole-block pieces)
+    q = d.quantize(torch.randn(4, 64, 64), d.per_expert(d.Blockwise(block_dims=1), (4, 64, 64)))
+    with pytest.raises(d.RecipeError, match=r"rows \[0, 32\) of each expert .*must be whole blocks"):
         torch.chunk(q, 2, dim=1)
 
 

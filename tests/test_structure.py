@@ -32,7 +32,7 @@ LAYERS = [
     ("tensor", ["op_table", "lifecycle", "entry", "owner_protocols", "param_state", "tensor", "quantize", "gemm", "linear"]),
     ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "scale_slots", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm", "grouped_mm", "grouped_fp8",
                      "requantize", "param_writes"]),
-    ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_masters", "optim_state", "module", "state_dict", "hp_load", "checkpoint", "checkpoint.*", "export_fp8",
+    ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_masters", "optim_state", "module", "expert_entries", "state_dict", "hp_load", "checkpoint", "checkpoint.*", "export_fp8",
                                "describe"]),
     ("top", ["te", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
 ]

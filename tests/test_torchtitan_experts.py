@@ -131,16 +131,19 @@ def test_converter_targets_switch():
 
 
 def _fewer_experts_than_ranks():
-    with pytest.raises(d.RecipeError, match=r"slice along dim 1 of an FP8 weight of shape \(1, 256, 256\).*"
-                                            r"Shard the experts \(dim 0\) instead, or keep this weight in high precision\. "
-                                            r"In torchtitan, keep efsdp x ep .* at or below the number of routed experts"):
+    # FSDP2's Shard(1) cuts whole blocks of the one expert here (the slicing accepts TP's such pieces:
+    # ops/expert_rows.py); FSDP2's padded shard of a dim in between is refused
+    with pytest.raises(d.RecipeError, match=r"like an FP8 weight of shape \(1, 256, 256\).*FSDP2's shard of a dim in "
+                                            r"between.*Shard the experts \(dim 0\) instead, or keep this weight in high "
+                                            r"precision\. In torchtitan, keep efsdp x ep .* at or below the number of "
+                                            r"routed experts"):
         MoERun("deepseek_v3", "mxfp8", experts=1)
 
 
 def test_fsdp_over_more_ranks_than_experts_is_refused_with_the_fix(pools):
     """torchtitan's ``fully_shard`` shards the experts' out rows (``Shard(1)``) when ``efsdp * ep``
-    exceeds the expert count: refused when parallelized (the rows of every expert are not a
-    contiguous piece of the flattened planes), naming what to do."""
+    exceeds the expert count: refused when parallelized (FSDP2 would reassemble the planes by
+    viewing them as the weight's shape), naming what to do."""
     if 2 not in WORLD_SIZES:
         pytest.skip("2 ranks")
     pools[2].run(_fewer_experts_than_ranks)

@@ -70,7 +70,7 @@ def _keep_experts(moe, n: int) -> None:
     moe.router.gate.out_features = n
 
 
-#: (family, ep, world size) -> the ParallelDims (and meshes) this rank process uses: one set per layout
+#: (family, ep, pp, tp, world size) -> the ParallelDims (and meshes) this rank process uses: one set per layout
 _PARALLEL_DIMS: dict = {}
 
 
@@ -80,8 +80,8 @@ class MoERun:
     splits the meta model into this rank's stage, applies ``parallelize_*`` to it and builds the
     1F1B schedule), trained as the trainer's ``pp_forward_backward_step`` does."""
 
-    def __init__(self, family: str, recipe: str | None, *, ep: int = 1, pp: int = 1, ckpt_dir: str | None = None,
-                 experts: int | None = None):
+    def __init__(self, family: str, recipe: str | None, *, ep: int = 1, pp: int = 1, tp: int = 1,
+                 ckpt_dir: str | None = None, experts: int | None = None, checkpoint=None):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -96,10 +96,12 @@ class MoERun:
         parallel_dims_module.device_type = device
         self.recipe, self.ep, self.pp = recipe, ep, pp
         pipeline = {"pipeline_parallel_degree": pp, "pipeline_parallel_schedule": "1F1B"} if pp > 1 else {}
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep, **pipeline)
+        # tp: torchtitan's tensor parallelism (with ep == 1 it shards the experts: Shard(1) / Shard(2) on tp)
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep,
+                                        tensor_parallel_degree=tp, **pipeline)
         training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
         dist_utils.set_spmd_backend("partial_dtensor")
-        key = (family, ep, pp, dist.get_world_size())
+        key = (family, ep, pp, tp, dist.get_world_size())
         if key not in _PARALLEL_DIMS:
             _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
             _PARALLEL_DIMS[key].build_mesh()
@@ -128,10 +130,12 @@ class MoERun:
                                                                              training_steps=16)
         self.checkpointer = None
         if ckpt_dir is not None:
-            self.checkpointer = CheckpointManager.Config(
-                enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False).build(
+            # ``checkpoint``: another config (a Hugging Face save or initial load), built with the model's adapter
+            self.checkpointer = (checkpoint or CheckpointManager.Config(
+                enable=True, folder="checkpoint", interval=1, keep_latest_k=0, last_save_model_only=False)).build(
                 dataloader=None, model_parts=self.parts, optimizers=self.optimizers, lr_schedulers=self.schedulers,
-                states={}, sd_adapter=None, base_folder=ckpt_dir)
+                states={}, sd_adapter=spec.state_dict_adapter(spec.model, None) if checkpoint else None,
+                base_folder=ckpt_dir)
 
     def train(self, steps) -> list[float]:
         """Steps over two fixed batches (the loss falls by memorizing them); the global mean loss

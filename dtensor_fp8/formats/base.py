@@ -134,6 +134,17 @@ class Recipe(abc.ABC):
                          torch.empty(self.block_shape(u).grid(shape), dtype=self.scale_inv_dtype, device=device))
                 for u in self.stored_usages(ROWWISE in usages, COLUMNWISE in usages)}
 
+    def of_whole(self, shape) -> "Recipe":
+        """The recipe of the whole weight of ``shape`` that a piece with this recipe was cut from: itself,
+        unless its blocks depend on the weight's shape (an expert weight's tensor-parallel piece of each
+        expert's rows: ``formats/experts.py``). State dicts name the whole weight's recipe.
+
+        Example:
+            >>> MXFP8().of_whole((256, 128)) == MXFP8()
+            True
+        """
+        return self
+
     def shard_alignment(self, dim: int, usages: tuple[str, ...] = USAGES) -> int:
         """Multiple that a shard boundary along ``dim`` must be, for the stored planes of ``usages``.
 

@@ -132,6 +132,48 @@ class PerExpert(Recipe):
         return GemmRecipe(input=g.input, grad=g.input, fast_accum=g.fast_accum,
                           name=f"{g.name}, E4M3 gradients (grouped GEMM)")
 
+    # ---- tensor-parallel pieces of each expert (Shard(1): rows of every expert) ------------------
+    def expert_rows_share_scale(self, usage: str) -> bool:
+        """Whether one scale covers all of an expert's rows in ``usage``'s plane (per-tensor bases:
+        every row piece of the expert keeps that one scale, reduced over the pieces' ranks)."""
+        return self.base.block_shape(usage).rows is None
+
+    def expert_rows_piece(self, start: int, stop: int, shape=None) -> "PerExpert":
+        """The recipe of rows ``[start, stop)`` of every expert (a tensor-parallel ``Shard(1)`` piece
+        of ``[E, out, in]``: torchtitan's column-parallel ``w1`` / ``w3``), or a :class:`RecipeError`
+        when the cut splits a scaling block of an expert (see the note in ``ops/expert_rows.py``).
+
+        Args:
+            start, stop: the piece's rows within each expert.
+            shape: the weight's shape, for the message.
+
+        Example:
+            >>> PerExpert(MXFP8(), 256).expert_rows_piece(128, 256)
+            PerExpert(base=MXFP8(...), expert_rows=128)
+        """
+        for usage in (ROWWISE, COLUMNWISE):
+            if self.expert_rows_share_scale(usage):
+                continue
+            block = expert_block_rows(self.base, usage, self.expert_rows)
+            if start % block or (stop % block and stop != self.expert_rows):
+                fits = [n for n in range(1, 17) if self.expert_rows % n == 0 and (self.expert_rows // n) % block == 0]
+                raise RecipeError(
+                    f"{self.name}: rows [{start}, {stop}) of each expert of an expert weight of shape "
+                    f"{tuple(shape) if shape is not None else ('E', self.expert_rows, 'in')} cut inside the {usage} "
+                    f"plane's {block}-row blocks of each expert; tensor-parallel pieces of an expert's output dim "
+                    f"(Shard(1)) must be whole blocks. Fix: a tensor-parallel degree in {fits or '[1]'} for "
+                    f"{self.expert_rows} rows, or pad the expert's output dim to a multiple of {block} x the degree, "
+                    "or keep these experts in high precision.")
+        return PerExpert(self.base, stop - start)
+
+    def of_whole(self, shape) -> "PerExpert":
+        """The recipe of the whole ``[E, out, in]`` weight a piece of each expert's rows was cut from."""
+        return self.with_expert_rows(tuple(shape)[1])
+
+    def with_expert_rows(self, rows: int) -> "PerExpert":
+        """This recipe for experts of ``rows`` output rows (row pieces joined back: ``ops/expert_rows.py``)."""
+        return PerExpert(self.base, rows)
+
     # ---- per-tensor rules, applied per expert ---------------------------------------------------
     def _per_expert_scalar(self, usage: str) -> bool:
         """Whether ``base``'s block for ``usage`` is its whole tensor (a rule per tensor, run per expert)."""

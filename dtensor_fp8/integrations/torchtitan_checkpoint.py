@@ -24,6 +24,7 @@ purge, resume), with two differences, both decided from what is on disk or in th
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +141,19 @@ def _check_entries(layout: dict, source, checkpoint_id: str) -> None:
                               "model config. The model was not modified.")
 
 
+def _hf_held(targets: dict, values: dict, what: str) -> dict:
+    """The targets a Hugging Face load writes: those the model's state-dict adapter maps to a Hugging
+    Face key. Qwen3's adapter maps none to the MoE load-balancing bias ``moe.expert_bias_E`` (its HF
+    models have no such tensor): torchtitan's own HF load leaves such entries at their initial values,
+    and so does this one, naming them in a warning (a key the adapter maps but the files lack is
+    refused by DCP's reader before anything is written)."""
+    kept = sorted(k for k in targets if k not in values)
+    if kept:
+        warnings.warn(f"{what}: the model's state-dict adapter maps no Hugging Face key to {_listed(kept)}; they keep "
+                      "their initial values, as torchtitan's own Hugging Face load leaves them", stacklevel=3)
+    return {k: t for k, t in targets.items() if k in values}
+
+
 def _listed(keys) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:_SHOWN]) + (f", ... ({len(keys)} in all)" if len(keys) > _SHOWN else "")
@@ -214,8 +228,10 @@ class FP8CheckpointManager(CheckpointManager):
                 _check_entries(layout, source, checkpoint_id)
                 read_source(layout, source.reader, None)
                 values = layout
-            targets = _native_targets(part)
-            staged.append(stage_hp_values(part, _merged(part, values), masters, targets=targets,
+            targets, values = _native_targets(part), _merged(part, values)
+            if hf:
+                targets = _hf_held(targets, values, what)
+            staged.append(stage_hp_values(part, values, masters, targets=targets,
                                           where=source.where if source else None, what=what)[0])
         for part, values in zip(self._parts(), staged):
             write_staged_hp_values(part, values)

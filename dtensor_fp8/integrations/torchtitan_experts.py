@@ -24,9 +24,16 @@ every recipe: FSDP2 at 2 and 4 ranks; expert parallelism, EP 2 x FSDP2 2 at 4 ra
 completes and checkpoints as any ``Shard(0)``); PP 2 x FSDP2 2 through ``pipeline_llm``; resume
 through ``CheckpointManager`` and FSDP2 <-> EP reshard, byte-exact.
 
-What is not done yet (issue 48's next slices): TP ``Shard(1)`` / ``Shard(2)`` of expert weights and
-FSDP2's ``Shard(1)`` of them (torchtitan picks it when ``efsdp * ep`` exceeds the expert count:
-refused by the slicing ops, naming the fix); torchtitan runs on CUDA (the scaled grouped GEMM, ``grouped_fp8.py``).
+Tensor parallelism (``tensor_parallel_degree`` without EP): torchtitan shards ``w1`` / ``w3``
+``Shard(1)`` and ``w2`` ``Shard(2)`` on ``tp``; a ``Shard(1)`` piece is an expert weight of its own
+(``ops/expert_rows.py``), so the seam and FSDP2 over the experts run on it unchanged (TP 2 x FSDP2 2;
+with EP on, torchtitan 0.3 shards the experts over ``ep`` only, EP 2 x TP 2 included). Hugging Face
+starts go through ``FP8CheckpointManager``'s ``initial_load_in_hf`` and the model's own adapter.
+
+What is not done yet (issue 48's next slices): FSDP2's ``Shard(1)`` of expert weights (torchtitan
+picks it when ``efsdp * ep`` exceeds the expert count: refused by the slicing ops where it cuts
+inside blocks, naming the fix); TP pieces that split an expert's blocks; torchtitan runs on CUDA
+(the scaled grouped GEMM, ``grouped_fp8.py``).
 """
 
 from __future__ import annotations

@@ -47,12 +47,14 @@ def _refuse_dim1_gather_of_split_pieces(q, group_name: str) -> None:
     if layout is None:
         return
     mesh, placements, shape = layout
+    last = len(shape) - 1  # the planes' columns (an expert weight's Shard(1) pieces are whole experts: expert_rows.py)
     for i, pl in enumerate(placements):
-        if shard_dim(pl) != 1 or mesh.size(i) < 2 or mesh.get_group(i).group_name != group_name:
+        if shard_dim(pl) != last or mesh.size(i) < 2 or mesh.get_group(i).group_name != group_name:
             continue
         # dim 0: this piece's rows (the same on every rank of a group sharding dim 1)
         period = q.recipe.phase_period(0)
-        if splits_blocks(layout, 1, q.recipe.phase_period(1)) or q.phase[0] % period or q.shape[0] % period:
+        rows = q.shape[0] * q.rows_per_index
+        if splits_blocks(layout, last, q.recipe.phase_period(1)) or q.phase[0] % period or rows % period:
             raise RecipeError(
                 f"{q.recipe.name}: full_tensor() / redistribute of an FP8 weight of shape {tuple(shape)} laid out "
                 f"{tuple(placements)} gathers mesh dim {i} along tensor dim 1, and its shards start inside scaling "

@@ -18,6 +18,7 @@ from ..fix_hints import EXPERT_SHARDING, fix_hints
 from ..formats.base import USAGES, Plane, Recipe, RecipeError
 from ..op_table import QUANTIZED_OPS
 from ..tensor import QuantizedTensor, one_byte_as_uint8
+from .expert_rows import cat_expert_rows, slice_expert_rows
 
 aten = torch.ops.aten
 
@@ -91,6 +92,8 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
     size = q.shape[dim]
     start, end = max(0, min(start, size)), max(0, min(end, size))
     end = max(start, end)
+    if q.dim() > 2 and 0 < dim < q.dim() - 1:  # rows of each expert: a piece of its own (expert_rows.py)
+        return slice_expert_rows(q, start, end) if (start, end) != (0, size) else q.rebuild()
     if q.dim() > 2:  # on the flattened matrix (tensor.py's note on tensors of more than two dims)
         f = _leading_dims_only(q, dim, "slice")
         shape = list(q.shape)
@@ -239,8 +242,12 @@ def zeros_like_quantized(q: QuantizedTensor, shape, device=None, phase=_SAME_PLA
     device = device or q.device
     if len(shape) > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
         if list(shape[1:-1]) != list(q.shape[1:-1]) or q.dim() != len(shape):
-            raise RecipeError(f"{q.recipe.name}: a tensor of shape {tuple(shape)} like an FP8 weight of shape "
-                              f"{tuple(q.shape)}: only dim 0 and the last dim may differ")
+            raise RecipeError(
+                f"{q.recipe.name}: a tensor of shape {tuple(shape)} like an FP8 weight of shape {tuple(q.shape)}: only dim 0 "
+                "and the last dim may differ (FSDP2's shard of a dim in between, e.g. its Shard(1) of an [experts, out, in] "
+                "weight, would have to be reassembled by viewing each gathered plane and scale grid as the weight's "
+                "shape). Shard the experts (dim 0) instead, or keep this weight in high precision."
+                + fix_hints(EXPERT_SHARDING))
         f = q.rows_per_index
         return zeros_like_quantized(q.as_matrix(), (shape[0] * f, shape[-1]), device, phase).with_shape(shape)
     if q.bytes_pending and q.is_meta and torch.device(device).type != "meta":
@@ -316,6 +323,8 @@ def cat_quantized(tensors: list[QuantizedTensor], dim: int) -> QuantizedTensor:
     """
     first = tensors[0]
     dim = dim % first.dim()
+    if first.dim() > 2 and 0 < dim < first.dim() - 1:  # rows of each expert (expert_rows.py)
+        return cat_expert_rows(tensors) if len(tensors) > 1 else tensors[0].rebuild()
     if first.dim() > 2:  # the flattened matrix (tensor.py's note on tensors of more than two dims)
         _leading_dims_only(first, dim, "concatenation")
         shape = list(first.shape)

@@ -1,0 +1,68 @@
+"""State-dict planes of FP8 weights of more than two dims (MoE expert weights ``[E, out, in]``).
+
+[Note: an expert weight's planes in a state dict]
+An expert weight's planes are matrices ``(E * out, in)`` (``tensor.py``'s note on tensors of more
+than two dims), but its shards need not be ranges of those rows: a tensor-parallel ``Shard(1)``
+piece holds rows ``[a, b)`` of every expert (``ops/expert_rows.py``), ``E`` ranges that no
+sharding of the flattened matrix describes. So the state dict holds each plane in the weight's own
+dims: the data ``[E, out, in]`` with the parameter's placements, and the scale grid ``[E, grid rows
+per expert, grid cols]`` sharded the same way (replicated along a dim one block spans: a per-expert
+scale along ``out`` and ``in``; whole along a dim whose shards split blocks, as
+``state_dict.py``'s note on split blocks says). Every layout of the weight (EP, FSDP2 over experts,
+TP ``Shard(1)`` / ``Shard(2)``, none) then saves the same entries, so DCP loads any of them into any
+other exactly, and a load reshapes the entries back to the planes' matrices (:func:`as_plane_matrix`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from . import groups
+from .entry import plane_key
+from .groups import split_blocks
+from .layout import shard_dim
+from .tensor import QuantizedTensor, one_byte_as_uint8
+
+
+def as_plane_matrix(t: torch.Tensor) -> torch.Tensor:
+    """A saved plane or scale grid of more than two dims as the planes' matrix (leading dims as rows)."""
+    return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
+
+
+def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
+    rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
+    whole = groups.max_over_(split.whole(rows), split.groups)
+    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
+
+
+def expert_plane_entries(param: DTensor, q: QuantizedTensor) -> dict:
+    """The planes of the sharded expert weight ``param`` (local tensor ``q``) as state-dict entries in
+    the weight's own dims (see the note): ``{"<usage>_data": ..., "<usage>_scale_inv": ...}``.
+
+    Args:
+        param: a DTensor of more than two dims whose local tensor is ``q``.
+        q: its local :class:`QuantizedTensor`.
+
+    Example:
+        >>> expert_plane_entries(experts.w1, experts.w1.to_local())["rowwise_data"].shape   # w1: [8, 256, 128]
+        torch.Size([8, 256, 128])
+    """
+    last, out = param.dim() - 1, {}
+    for usage, plane in q.planes.items():
+        data = one_byte_as_uint8(plane.data).clone().reshape(q.shape)
+        scale = one_byte_as_uint8(plane.scale_inv).clone()
+        placements = [Replicate() if (d := shard_dim(pl)) is not None and q.recipe.spans_dim(usage, d) else pl
+                      for pl in param.placements]
+        split = split_blocks(param, usage)
+        if split is not None:  # shards split blocks (along the last dim: Shard(2)): the grid whole there
+            matrix_dim = {0: 0, last: 1}
+            placements = [Replicate() if (d := shard_dim(pl)) in matrix_dim and split.total[matrix_dim[d]] is not None
+                          else pl for pl in placements]
+            scale = _whole_grid(scale, split)
+        scale = scale.reshape(q.shape[0], -1, scale.shape[-1])
+        stride = tuple(param.stride())
+        out[plane_key(usage, "data")] = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
+                                                           shape=param.shape, stride=stride)
+        out[plane_key(usage, "scale_inv")] = DTensor.from_local(scale, param.device_mesh, placements, run_check=False)
+    return out
