@@ -65,7 +65,7 @@ def _keep_experts(moe, n: int) -> None:
     moe.router.gate.out_features = n
 
 
-#: (family, ep, world size) -> the ParallelDims (and meshes) this rank process uses: one set per layout
+#: (family, ep, world size, spmd backend) -> the ParallelDims (and meshes) this rank process uses: one set per layout
 _PARALLEL_DIMS: dict = {}
 
 
@@ -73,7 +73,7 @@ class MoERun:
     """One torchtitan training setup of an MoE model on this rank (see the module docstring)."""
 
     def __init__(self, family: str, recipe: str | None, *, ep: int = 1, ckpt_dir: str | None = None,
-                 experts: int | None = None):
+                 experts: int | None = None, spmd_backend: str = "partial_dtensor"):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.checkpoint import CheckpointManager
@@ -88,10 +88,11 @@ class MoERun:
         device = backend_spec(BACKEND).device
         parallel_dims_module.device_type = device
         self.recipe, self.ep = recipe, ep
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep)
+        # spmd_backend: torchtitan 0.3's default is "spmd_types" (tests/test_torchtitan_spmd_types.py runs it)
+        parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep)
         training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
-        dist_utils.set_spmd_backend("partial_dtensor")
-        key = (family, ep, dist.get_world_size())
+        dist_utils.set_spmd_backend(spmd_backend)
+        key = (family, ep, dist.get_world_size(), spmd_backend)
         if key not in _PARALLEL_DIMS:
             _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
             _PARALLEL_DIMS[key].build_mesh()
