@@ -18,6 +18,17 @@ list FSDP2 holds as the parameter's inner tensors to free (``param_state.gather.
 returned by the first post-all-gather hook): FSDP2 frees them when it reshards the weight, as it
 frees its own buffers, and the next gather empties the list before FSDP2 would allocate them again.
 
+*A stale alias.* FSDP2 re-points the unsharded weight it keeps at each gather's planes
+(``fsdp_post_all_gather(out=...)``) and refills the same all-gather buffers; an alias made from it
+at an earlier gather is not re-pointed. Expert parallelism makes one every step: torchtitan's
+``GroupedExperts`` reads ``w.to_local()`` (a ``view_as`` of the local tensor, a new alias) in the
+forward, and the grouped GEMM reads that alias again in the backward. Its planes are views of the
+buffers the backward gather refilled, so it is recognized here, but they still name the forward's
+direction (rowwise; its bytes are now the columnwise plane). Asked for a plane this gather brought,
+it gets that plane without sending anything, and its stale labels are dropped (a later read of the
+other direction completes it as above): the step moves each plane once, as without expert
+parallelism (``tests/test_moe_benchmark.py`` counts it).
+
 One schedule is known beforehand: a weight owned by a module under ``checkpoint_wrapper`` or
 composable ``checkpoint`` is read rowwise by the recompute right after its backward gather (columnwise)
 arrives. Its backward gather completes it at once: ``fsdp_post_all_gather`` calls
@@ -52,7 +63,7 @@ class GatheredWeight(PlaneCompletion):
         planes: the gathered (padded) planes, views of FSDP2's all-gather buffers.
     """
 
-    __slots__ = ("_shard", "_metadata", "_data_ptrs", "_completed")
+    __slots__ = ("_shard", "_metadata", "_data_ptrs", "_brought", "_completed")
 
     def __init__(self, shard: weakref.ref, metadata: GatherMetadata, planes: dict[str, Plane]):
         self._shard = shard
@@ -60,6 +71,7 @@ class GatheredWeight(PlaneCompletion):
         # The unsharded weight and every alias of it (FSDP2's as_strided and Parameter, a GEMM's
         # transpose view, a dtype cast) hold views of these buffers: that is how they are known.
         self._data_ptrs = frozenset(p.data.data_ptr() for p in planes.values())
+        self._brought = planes  # stored plane -> the full (padded) plane this gather brought
         self._completed: dict[str, Plane] = {}  # stored plane -> the full (padded) plane all-gathered
 
     def _is_gathered_weight(self, t: QuantizedTensor) -> bool:
@@ -72,7 +84,9 @@ class GatheredWeight(PlaneCompletion):
         if _compat.is_traced(t) or not self._is_gathered_weight(t):
             return False
         stored = t.recipe.stored_usage(usage)
-        plane = self._completed.get(stored)
+        # An alias made over an earlier gather into the same buffers (see "a stale alias" in the
+        # note) asks for a plane this gather brought: handed out, nothing is sent.
+        plane = self._full_plane(stored)
         if plane is None:
             plane = self._completed[stored] = self._all_gather(t, stored)
         m = self._metadata
@@ -82,10 +96,23 @@ class GatheredWeight(PlaneCompletion):
             full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,),
                                                phase=m.phase)
             plane = slice_quantized(full, 0, 0, rows).planes[stored]
-        planes = t.planes
+        # A stale alias's planes name the earlier gather's direction over bytes this gather
+        # rewrote: only those over this gather's buffers of the same plane are kept.
+        planes = {u: p for u, p in t.planes.items() if self._holds_now(u, p)}
         planes[stored] = plane
-        t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage))
+        t.repoint_(planes, tuple(u for u in USAGES if t.recipe.stored_usage(u) in planes))
         return True
+
+    def _full_plane(self, stored: str) -> Plane | None:
+        """The full (padded) plane ``stored`` this gather holds: brought, or completed since."""
+        plane = self._brought.get(stored)
+        return self._completed.get(stored) if plane is None else plane
+
+    def _holds_now(self, stored: str, plane: Plane) -> bool:
+        """Whether ``plane``, held as ``stored`` by an alias of this gather's weight, is that plane
+        of this gather (brought or completed), not an earlier gather's label over its buffers."""
+        current = self._full_plane(stored)
+        return current is not None and plane.data.data_ptr() == current.data.data_ptr()
 
     def _all_gather(self, t: QuantizedTensor, stored: str) -> Plane:
         """The full plane ``stored``, all-gathered from every rank's shard over FSDP2's group for

@@ -66,17 +66,7 @@ def test_fsdp2_wire_bytes_are_the_independent_count(pools):
     _check(pools, "fsdp", 2, 1, VARIANTS)
 
 
-# Until branch i48-ep the second EP rank's gathers carried one scale a slot too many (an EP shard's
-# block phase counted in experts) and MXFP8 / 1x128 raised in the backward gather.
-_TWO_PLANES_UNDER_EP = pytest.mark.xfail(strict=True, reason=(
-    "EP x FSDP2, MXFP8 / 1x128: runs since i48-ep, but each rank receives more than the independent count "
-    "(709632 against 608256 bytes for MXFP8), apparently the backward completing a weight FSDP2 kept unsharded "
-    "from the forward (fsdp_completion.py; torchtitan's EP run takes that path), a gather the count does not model; "
-    "to look into (which FSDP2 state keeps it) before this row's figure is published"))
-
-
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=_TWO_PLANES_UNDER_EP) if v in ("mxfp8", "blockwise1d") else v
-                                     for v in VARIANTS])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_ep_fsdp2_wire_bytes_are_the_independent_count(pools, variant):
     if 4 not in WORLD_SIZES or BACKEND == "nccl":
         pytest.skip("4 ranks")

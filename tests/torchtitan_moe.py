@@ -70,7 +70,7 @@ def _keep_experts(moe, n: int) -> None:
     moe.router.gate.out_features = n
 
 
-#: (family, ep, pp, tp, world size) -> the ParallelDims (and meshes) this rank process uses: one set per layout
+#: (family, ep, pp, tp, world size, spmd backend) -> the ParallelDims (and meshes) this rank process uses: one set per layout
 _PARALLEL_DIMS: dict = {}
 
 
@@ -81,7 +81,8 @@ class MoERun:
     1F1B schedule), trained as the trainer's ``pp_forward_backward_step`` does."""
 
     def __init__(self, family: str, recipe: str | None, *, ep: int = 1, pp: int = 1, tp: int = 1,
-                 ckpt_dir: str | None = None, experts: int | None = None, checkpoint=None):
+                 ckpt_dir: str | None = None, experts: int | None = None, checkpoint=None,
+                 spmd_backend: str = "partial_dtensor"):
         import torchtitan.distributed.parallel_dims as parallel_dims_module
         from torchtitan.components.checkpoint import CheckpointManager
         from torchtitan.components.loss import CrossEntropyLoss
@@ -96,12 +97,13 @@ class MoERun:
         parallel_dims_module.device_type = device
         self.recipe, self.ep, self.pp = recipe, ep, pp
         pipeline = {"pipeline_parallel_degree": pp, "pipeline_parallel_schedule": "1F1B"} if pp > 1 else {}
-        # tp: torchtitan's tensor parallelism (with ep == 1 it shards the experts: Shard(1) / Shard(2) on tp)
-        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", expert_parallel_degree=ep,
+        # tp: torchtitan's tensor parallelism (with ep == 1 it shards the experts: Shard(1) / Shard(2) on tp);
+        # spmd_backend: torchtitan 0.3's default is "spmd_types" (tests/test_torchtitan_spmd_types.py runs it)
+        parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep,
                                         tensor_parallel_degree=tp, **pipeline)
         training = TrainingConfig(local_batch_size=BATCH, seq_len=SEQ, mixed_precision_param="float32")
-        dist_utils.set_spmd_backend("partial_dtensor")
-        key = (family, ep, pp, tp, dist.get_world_size())
+        dist_utils.set_spmd_backend(spmd_backend)
+        key = (family, ep, pp, tp, dist.get_world_size(), spmd_backend)
         if key not in _PARALLEL_DIMS:
             _PARALLEL_DIMS[key] = ParallelDims.from_config(parallelism, dist.get_world_size())
             _PARALLEL_DIMS[key].build_mesh()

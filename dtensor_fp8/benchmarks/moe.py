@@ -3,7 +3,7 @@ CUDA the layer's step time, FP8 experts (every recipe) against bf16 / fp32 exper
 
     python -m dtensor_fp8.benchmarks moe [--shapes deepseek-v3,qwen3-moe] [--expert-divisor 1]
                                          [--dim-divisor 1] [--recipes ...] [--parts wire,memory,step]
-                                         [--tokens 256] [--out DIR]
+                                         [--tokens 256] [--worlds 1,2,4] [--ep 1] [--out DIR]
 
 The layer (``moe_model.py``): a router and torchtitan-style grouped experts of a real model's
 expert dims (``SHAPES``: DeepSeek-V3, Qwen3-30B-A3B), scaled down with ``--expert-divisor`` /
@@ -17,7 +17,8 @@ CPU, NCCL with ``--device cuda``):
   same layer with bf16 experts. Built as a model larger than a rank is: meta device, quantize,
   shard, ``to_empty``, init, optimizer (``moe_memory.py``).
 * ``memory`` (``moe_memory.py``): per-rank peak of that build, of a DCP save of the model and
-  optimizer state, and of a fresh build plus DCP load, at world 1, 2 and 4.
+  optimizer state, and of a fresh build plus DCP load, at world 1, 2 and 4 (``--worlds``), FSDP2
+  alone or expert parallelism ``--ep`` x FSDP2.
 * ``step`` (CUDA, ``moe_step.py``): forward + backward time of the layer with bf16 experts
   (``torch._grouped_mm``), our FP8 experts per recipe, and torchao's MXFP8 grouped experts where
   torchao imports.
@@ -143,6 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--parts", default="wire,memory", help="wire, memory, step (CUDA)")
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank (wire, step)")
     p.add_argument("--worlds", default="1,2,4", help="world sizes of the memory part")
+    p.add_argument("--ep", type=int, default=1,
+                   help="memory part: expert parallelism degree (EP ep x FSDP2 world/ep; 1: FSDP2 alone)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="bench_out")
     args = p.parse_args(argv)
@@ -162,7 +165,7 @@ def main(argv: list[str]) -> int:
         if "memory" in parts:
             from . import moe_memory
 
-            entry["memory"] = moe_memory.measure(shape, dims, recipes, [int(w) for w in args.worlds.split(",")])
+            entry["memory"] = moe_memory.measure(shape, dims, recipes, [int(w) for w in args.worlds.split(",")], args.ep)
             print(moe_memory.table(entry["memory"]))
         if "step" in parts:
             from . import moe_step
