@@ -36,7 +36,6 @@ import torch
 from . import _compat
 from .formats.base import USAGES, Plane, RecipeError
 from .fsdp_buffers import GatherMetadata, gather_inputs, gather_plan, planes_from_outputs
-from .ops.slicing import slice_quantized
 from .owner_protocols import PlaneCompletion
 from .tensor import QuantizedTensor
 
@@ -79,9 +78,7 @@ class GatheredWeight(PlaneCompletion):
         full_rows = m.padded_rows * m.world
         rows = t.shape[0] * t.rows_per_index  # an [experts, out, in] weight's planes: experts * out rows
         if rows != full_rows:  # the unpadded weight: its rows of the full plane
-            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,),
-                                               phase=m.phase)
-            plane = slice_quantized(full, 0, 0, rows).planes[stored]
+            plane = t.recipe.narrow_planes({stored: plane}, 0, 0, rows, m.phase[0])[stored]
         planes = t.planes
         planes[stored] = plane
         t.repoint_(planes, tuple(u for u in USAGES if u in t.usages or u == usage))
@@ -113,6 +110,5 @@ class GatheredWeight(PlaneCompletion):
             outputs.append(gathered)
             record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
         planes = planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
-                                     m.padded_rows, m.world, m.cols, lambda u, live: live.clone(),
-                                     plan.scale_routes)
+                                     m.padded_rows, m.world, m.cols, None, plan.scale_routes)
         return planes[stored]
