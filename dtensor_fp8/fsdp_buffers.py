@@ -173,7 +173,7 @@ def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dic
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
-            # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
+            # The shard's own scale: the post-all-gather hook copies it (see fsdp_buffers._scale_copy).
             shared_scales[usage] = plane.scale_inv
     return inputs, shared_scales, local_planes
 

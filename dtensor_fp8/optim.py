@@ -60,15 +60,14 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .agreement import gather_findings
-from .groups import bind_layout_, max_over_
+from .groups import max_over_
 from .module import finish_init_
-from .placement import like, local_tensor
+from .placement import local_tensor
 from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
-from .optim_masters import (check_master_dtype, check_masters_linked, first_optimizers_master, own_tensor,
-                            take_masters_over)
+from .optim_masters import check_master_dtype, check_masters_linked, inner_tensor, master_and_inner, take_masters_over
 from .optim_state import OptimizerParts, StateView
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
@@ -151,23 +150,10 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         parts = self._parts = OptimizerParts(fqn=_fqns(model, groups))
         with torch.no_grad():
             for p in (p for g in groups for p in g["params"]):
-                bind_layout_(p)
-                local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
-                if isinstance(local, QuantizedTensor):
-                    init = local.take_hp_init()
-                    kept = first_optimizers_master(p, local)
-                    if init is not None:
-                        master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
-                    elif kept is not None and kept.shape == local.shape:
-                        # a second optimizer: the first one's masters, not their FP8 rounding
-                        master_local = kept.to(dtype=master_dtype, copy=True)
-                    else:
-                        master_local = local.dequantize(master_dtype)
-                    master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+                master, stepped = master_and_inner(p, master_dtype)
+                parts.inner_of[p] = stepped
+                if master is not None:
                     parts.masters[p] = master
-                    parts.inner_of[p] = _local_alias(master)
-                else:
-                    parts.inner_of[p] = _local_alias(p)
         inner = optimizer_cls([{**g, "params": [parts.inner_of[p] for p in g["params"]]} for g in groups], **defaults)
         super().__init__(groups, inner.defaults)  # parts.inner is None: add_param_group leaves it alone
         parts.inner = inner
@@ -221,7 +207,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     "master is made at construction. Pass every FP8 parameter when building the optimizer "
                     "(frozen ones may have requires_grad=False).")
             names = _fqns(self.model, [group])
-            aliases = {p: _local_alias(p) for p in group["params"]}
+            aliases = {p: inner_tensor(p) for p in group["params"]}
             self._parts.inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
             self._parts.inner_of.update(aliases)
             self._parts.fqn.update(names)
@@ -586,11 +572,3 @@ def _fqns(model: nn.Module, groups: list[dict]) -> dict:
                     "parameter of the model. Build the optimizer after fully_shard (which replaces the "
                     "parameters) from model.parameters() / model.named_parameters().")
     return names
-
-
-def _local_alias(p: torch.Tensor) -> torch.Tensor:
-    """What the inner optimizer steps for ``p``: ``p`` itself unless it is a DTensor, else a
-    parameter sharing the storage of its local shard."""
-    if not isinstance(p, DTensor):
-        return p
-    return nn.Parameter(dtensor_local(p).detach(), requires_grad=p.requires_grad)
