@@ -108,20 +108,6 @@ def _dim0_placements(param: DTensor) -> list:
             for pl in param.placements]
 
 
-def _sharded_like_dim0(param: DTensor, local: torch.Tensor) -> DTensor:
-    """``local`` (one row per index of ``param``'s local dim 0) as a DTensor sharded like that dim."""
-    placements = _dim0_placements(param)
-    shape = (param.shape[0], *local.shape[1:])
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
-
-
-def _like_matrix(param: DTensor, local: torch.Tensor, placements, shape) -> DTensor:
-    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=(shape[1], 1))
-
-
 def plane_entries(param: torch.Tensor) -> dict:
     """The state-dict entry of one FP8 parameter: its planes as plain/DTensor copies + recipe config.
 
@@ -134,35 +120,50 @@ def plane_entries(param: torch.Tensor) -> dict:
     """
     q = local_tensor(param)
     q.check_bytes_made()
-    entry = {RECIPE_KEY: recipe_config(q.recipe)}
+    planes = q.planes
+    sharded = isinstance(param, DTensor)
+    if sharded:
+        # The layout of every saved tensor first (the planes are matrices: tensor.py's note), then the
+        # grids whole where shards split blocks (see the note), then the copies.
+        matrix_placements, matrix = _matrix_layout(param)
+        scale_placements = {u: _scale_placements(param, q.recipe, u, matrix_placements) for u in planes}
+        dim0_placements = _dim0_placements(param)
+        scales = {}
+        for usage, plane in planes.items():
+            split = split_blocks(param, usage)
+            scales[usage] = plane.scale_inv
+            if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
+                scale_placements[usage] = [
+                    Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
+                    for pl in scale_placements[usage]]
+                scales[usage] = groups.whole_grid(one_byte_as_uint8(plane.scale_inv), split)
+    copies = {}
+    for usage, plane in planes.items():
+        data = one_byte_as_uint8(plane.data).clone()
+        scale = one_byte_as_uint8(scales[usage] if sharded else plane.scale_inv).clone()
+        if sharded:
+            grid = q.recipe.block_shape(usage).grid(matrix)
+            data = DTensor.from_local(data, param.device_mesh, matrix_placements, run_check=False,
+                                      shape=torch.Size(matrix), stride=(matrix[1], 1))
+            scale = DTensor.from_local(scale, param.device_mesh, scale_placements[usage],
+                                       run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
+        copies[plane_key(usage, "data")] = data
+        copies[plane_key(usage, "scale_inv")] = scale
     record = q.param_state.scaling
     record.ensure_operand_states(q.recipe, q.device)
-    for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
+    for usage, plane in planes.items():  # made now if no optimizer made it: a complete template
         record.weight_state(q.recipe, usage, plane)
-    per_index = set(record.weight_entries()) if q.recipe.scaling_state_per_index and isinstance(param, DTensor) else ()
+    per_index = set(record.weight_entries()) if q.recipe.scaling_state_per_index and sharded else ()
+    states = {}
     for name, value in record.entries().items():  # the owner saves its scaling states, once
         value = value.detach().clone()
-        # a state with a row per index of dim 0 (per expert) is sharded as the weight's dim 0 is
-        entry[name] = _sharded_like_dim0(param, value) if name in per_index else value
-    if isinstance(param, DTensor):
-        matrix_placements, matrix = _matrix_layout(param)
-    for usage, plane in q.planes.items():
-        data = one_byte_as_uint8(plane.data).clone()
-        scale = one_byte_as_uint8(plane.scale_inv).clone()
-        if isinstance(param, DTensor):
-            grid = q.recipe.block_shape(usage).grid(matrix)
-            data = _like_matrix(param, data, matrix_placements, matrix)
-            placements = _scale_placements(param, q.recipe, usage, matrix_placements)
-            split = split_blocks(param, usage)
-            if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
-                placements = [Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
-                              for pl in placements]
-                scale = _whole_grid(scale, split)
-            scale = DTensor.from_local(scale, param.device_mesh, placements,
-                                       run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
-        entry[plane_key(usage, "data")] = data
-        entry[plane_key(usage, "scale_inv")] = scale
-    return entry
+        if name in per_index:  # a row per index of dim 0 (per expert): sharded as the weight's dim 0 is
+            shape = (param.shape[0], *value.shape[1:])
+            value = DTensor.from_local(value, param.device_mesh, dim0_placements, run_check=False,
+                                       shape=torch.Size(shape),
+                                       stride=tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
+        states[name] = value
+    return {RECIPE_KEY: recipe_config(q.recipe), **states, **copies}
 
 
 def _fp8_params(module):
@@ -273,13 +274,6 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 # other layout, so it loads aligned or split, at any world size, and old checkpoints load here.
 # Cost: the dim-0 scale grids of such weights are whole on every rank while the state dict lives
 # (128x128: 4 bytes per 128x128 block; 1x128 and MXFP8 column planes: 1/32 byte per element).
-def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
-    """A weight's block grid, whole along the split dims, from each rank's touched blocks ``scale``."""
-    rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
-    whole = groups.max_over_(split.whole(rows), split.groups)
-    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
-
-
 def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
     """The scales of the blocks this rank's shard touches (a ``grid``), from a loaded grid DTensor
     ``saved`` (whole along the split dims: see the note)."""
