@@ -62,12 +62,12 @@ from ._compat import dtensor_local
 from .agreement import gather_findings
 from .groups import max_over_
 from .module import finish_init_
-from .placement import local_tensor
+from .placement import inner_tensor, local_tensor
 from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
-from .optim_masters import check_master_dtype, check_masters_linked, inner_tensor, master_and_inner, take_masters_over
+from .optim_masters import check_master_dtype, check_masters_linked, master_and_inner, take_masters_over
 from .optim_state import OptimizerParts, StateView
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._compat import dtensor_local
 from .groups import bind_layout_
-from .placement import like, local_tensor
+from .placement import inner_tensor, like, local_tensor
 from .tensor import QuantizedTensor
 
 #: the dtypes masters (and so the inner optimizer's state) may have
@@ -81,8 +81,8 @@ def first_optimizers_master(p: torch.Tensor, local: QuantizedTensor) -> torch.Te
 
 def master_and_inner(p: torch.Tensor, master_dtype: torch.dtype) -> tuple:
     """``(master, inner)``: the master (an ``nn.Parameter``) a ``MasterWeightOptimizer`` keeps for
-    the parameter ``p`` (``None`` unless ``p`` is FP8) and what its inner optimizer steps for ``p`` (:func:`inner_tensor` of the master, else
-    of ``p``), after binding ``p``'s layout to its mesh (``groups.bind_layout_``). The master starts
+    the parameter ``p`` (``None`` unless ``p`` is FP8) and what its inner optimizer steps for ``p`` (``placement.inner_tensor`` of the master,
+    else of ``p``), after binding ``p``'s layout to its mesh (``groups.bind_layout_``). The master starts
     from the weight's kept high-precision init values (taken from it), else from the master of an
     optimizer that owned it before (see the note), else from its FP8 values.
 
@@ -95,32 +95,19 @@ def master_and_inner(p: torch.Tensor, master_dtype: torch.dtype) -> tuple:
     """
     bind_layout_(p)
     local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
-    if not isinstance(local, QuantizedTensor):
-        return None, inner_tensor(p)
-    kept = first_optimizers_master(p, local)
-    init = local.take_hp_init()
-    if init is not None:
-        master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
-    elif kept is not None and kept.shape == local.shape:
-        # a second optimizer: the first one's masters, not their FP8 rounding
-        master_local = kept.to(dtype=master_dtype, copy=True)
-    else:
-        master_local = local.dequantize(master_dtype)
-    master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
-    return master, inner_tensor(master)
-
-
-def inner_tensor(p: torch.Tensor) -> torch.Tensor:
-    """What the inner optimizer steps for ``p``: ``p`` itself unless it is a DTensor, else a
-    parameter sharing the storage of its local shard.
-
-    Example:
-        >>> inner_tensor(master).data_ptr() == master.to_local().data_ptr()
-        True
-    """
-    if not isinstance(p, DTensor):
-        return p
-    return nn.Parameter(dtensor_local(p).detach(), requires_grad=p.requires_grad)
+    master = None
+    if isinstance(local, QuantizedTensor):
+        kept = first_optimizers_master(p, local)
+        init = local.take_hp_init()
+        if init is not None:
+            master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
+        elif kept is not None and kept.shape == local.shape:
+            # a second optimizer: the first one's masters, not their FP8 rounding
+            master_local = kept.to(dtype=master_dtype, copy=True)
+        else:
+            master_local = local.dequantize(master_dtype)
+        master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+    return master, inner_tensor(p if master is None else master)
 
 
 def own_tensor(master: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
@@ -202,5 +189,5 @@ def check_masters_linked(ownership: Ownership | None, what: str) -> None:
             "optimizer only (del this one): one MasterWeightOptimizer per model. Nothing was changed.")
 
 
-__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master", "inner_tensor",
+__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master",
            "master_and_inner", "own_tensor", "take_masters_over", "check_masters_linked"]
