@@ -76,10 +76,7 @@ def gathered_weight(shard: QuantizedTensor, planes: dict[str, Plane], metadata: 
     """
     record = shard.param_state.gather
     recipe, usages, full_rows = shard.recipe, metadata.usages, metadata.padded_rows * metadata.world
-    completion = None
-    if len(usages) < len(USAGES) and metadata.process_group is not None:
-        # One plane of two: a read of the other completes the weight (fsdp_completion.py).
-        completion = record.gathered = GatheredWeight(weakref.ref(shard), metadata, planes)
+    gathered_planes = planes
     if out is not None:
         # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
         # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself), cut to its rows.
@@ -97,12 +94,15 @@ def gathered_weight(shard: QuantizedTensor, planes: dict[str, Plane], metadata: 
             weight = weight.with_shape((full_rows // math.prod(logical[1:-1]), *logical[1:]))
     if backward_only:
         weight.create_transpose_cache()
-    if completion is not None and backward_only and record.completes_for_recompute:
-        # The backward gather of a weight that a checkpointed module recomputes: the recompute's
-        # rowwise plane is all-gathered now, at the gather, not at the recompute's first read (before
-        # FSDP2 makes its aliases of the weight, so that they hold the plane too). The transpose
-        # cache above is only ever built for recipes storing one plane, which are never completed.
-        completion.complete_(weight, ROWWISE)
+    if len(usages) < len(USAGES) and metadata.process_group is not None:
+        # One plane of two: a read of the other completes the weight (fsdp_completion.py). (Recipes
+        # storing one plane, the only ones with a transpose cache, serve both usages: never completed.)
+        completion = record.gathered = GatheredWeight(weakref.ref(shard), metadata, gathered_planes)
+        if backward_only and record.completes_for_recompute:
+            # The backward gather of a weight that a checkpointed module recomputes: the recompute's
+            # rowwise plane is all-gathered now, at the gather, not at the recompute's first read
+            # (before FSDP2 makes its aliases of the weight, so that they hold the plane too).
+            completion.complete_(weight, ROWWISE)
     # The planes are views of FSDP2's outputs, which FSDP2 frees on reshard. The list FSDP2 frees
     # with them is the owner record's: a completion adds its buffers there.
     return None if out is not None else (weight, record.inner_tensors)
