@@ -139,7 +139,7 @@ class TEBinding:
         FSDP gather (``te.py``) pays only for the copy itself."""
         if b.part == DATA:
             if not b.transposed:
-                view = te_data(plane.data, shape, transposed=False)
+                view = te_data(plane.data, shape)
                 return lambda reuse=None: view
             transpose = transposer_2d(plane.data.view(torch.uint8))
             if len(shape) == 2:
