@@ -157,7 +157,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         inner = optimizer_cls([{**g, "params": [parts.inner_of[p] for p in g["params"]]} for g in groups], **defaults)
         super().__init__(groups, inner.defaults)  # parts.inner is None: add_param_group leaves it alone
         parts.inner = inner
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         # The weight scaling state of stateful recipes (delayed scaling's amax history), made now in
         # each parameter's owner record from its plane's current scale: a fresh optimizer is then a
         # complete checkpoint template.
@@ -234,7 +234,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         materializing = self._hand_over_gradients()
         if not materializing:  # (not torch's state-creating step, which set_state_dict runs before its loads)
             masters_follow_loaded_bytes_(self._parts.masters)  # a model-only load since the last step: follow it
@@ -354,7 +354,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             target.copy_(value)
         for group, hyperparameters in staged.hyperparameters:
             group.update(hyperparameters)
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         self.state.forget_views()
         self._parts.generation += 1
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -413,13 +413,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "(accelerate's prepare does this), not followed yet. Fix: call opt.follow_model() first, on every "
                 "rank (with accelerate: opt.optimizer.follow_model() right after accelerator.prepare); step(), "
                 "zero_grad(), state_dict() and load_state_dict() call it themselves. Nothing was changed.")
-
-    def _sync_hyperparameters(self) -> None:
-        """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
-        for outer, inner in zip(self.param_groups, self._parts.inner.param_groups, strict=True):
-            for key, value in outer.items():
-                if key != "params" and inner.get(key) is not value:
-                    inner[key] = value
 
     def _agreement_groups(self) -> tuple:
         """The process groups over which every rank stepping these parameters must decide alike: the
@@ -508,7 +501,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         missing = {id(t): t for t in self._parts.inner_of.values() if t.requires_grad and t not in inner.state}
         if not missing:
             return
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         saved = [(g, k, g[k]) for g in self._parts.inner.param_groups for k in ("lr", "weight_decay") if k in g]
         for g, k, v in saved:
             g[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
