@@ -7,7 +7,7 @@ holds. It stands below ``fsdp.py``, whose post-all-gather hook calls :data:`FSDP
 
 [Note: TE tensors as FSDP2's unsharded parameters]
 Under ``fully_shard`` the FSDP2 extension of ``fsdp.py`` gathers our planes (rowwise for forward,
-columnwise for backward) and, for parameters of modules marked by :func:`quantize_te_module_`,
+columnwise for backward) and, for parameters of modules marked by ``te.quantize_te_module_``,
 asks :data:`FSDP_TE_VIEW` for the unsharded parameter: a TE tensor over the gathered buffers.
 TE's modules take an already-quantized weight as is (``quantize_weight`` skips the cast), so their
 forward GEMM reads what the forward gather delivered and their dgrad GEMM what the backward gather
@@ -301,5 +301,5 @@ class TEUnshardedView(UnshardedView):
         return to_te_tensor(gathered), ()
 
 
-#: The hook ``fsdp.py`` calls for the FP8 weights of modules marked by :func:`quantize_te_module_`.
+#: The hook ``fsdp.py`` calls for the FP8 weights of modules marked by ``te.quantize_te_module_``.
 FSDP_TE_VIEW = TEUnshardedView()
