@@ -364,8 +364,8 @@ def _quantize_padded(quantizer, hp: torch.Tensor, pad: int, *, rowwise: bool, co
     its columnwise plane from ``hp`` as it is (the weight-gradient GEMM reads no weight)."""
     if not pad:
         return quantizer.quantize_operand(hp, rowwise=rowwise, columnwise=columnwise, state=state)
-    planes, state = quantizer.quantize_operand(_pad_cols_front(hp, pad), rowwise=True, columnwise=False, state=state) \
-        if rowwise else ({}, state)
+    planes, state = (quantizer.quantize_operand(_pad_cols_front(hp, pad), rowwise=True, columnwise=False, state=state)
+                     if rowwise else ({}, state))
     if columnwise:
         col, state = quantizer.quantize_operand(hp, rowwise=False, columnwise=True, state=state)
         planes = {**planes, **col}
