@@ -30,12 +30,6 @@ def as_plane_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.dim() > 2 else t
 
 
-def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
-    rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
-    whole = groups.max_over_(split.whole(rows), split.groups)
-    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
-
-
 def expert_plane_entries(param: DTensor, q: QuantizedTensor) -> dict:
     """The planes of the sharded expert weight ``param`` (local tensor ``q``) as state-dict entries in
     the weight's own dims (see the note): ``{"<usage>_data": ..., "<usage>_scale_inv": ...}``.
@@ -59,10 +53,29 @@ def expert_plane_entries(param: DTensor, q: QuantizedTensor) -> dict:
             matrix_dim = {0: 0, last: 1}
             placements = [Replicate() if (d := shard_dim(pl)) in matrix_dim and split.total[matrix_dim[d]] is not None
                           else pl for pl in placements]
-            scale = _whole_grid(scale, split)
+            scale = groups.whole_grid(scale, split)
         scale = scale.reshape(q.shape[0], -1, scale.shape[-1])
         stride = tuple(param.stride())
         out[plane_key(usage, "data")] = DTensor.from_local(data, param.device_mesh, param.placements, run_check=False,
                                                            shape=param.shape, stride=stride)
         out[plane_key(usage, "scale_inv")] = DTensor.from_local(scale, param.device_mesh, placements, run_check=False)
+    return out
+
+
+def expert_plane_copies(q: QuantizedTensor) -> dict:
+    """The planes of an unsharded expert weight ``q`` as state-dict copies in its own dims (see the
+    note): data ``[E, out, in]``, scale grids ``[E, grid rows per expert, grid cols]``.
+
+    Args:
+        q: a :class:`QuantizedTensor` of more than two dims.
+
+    Example:
+        >>> expert_plane_copies(w1)["rowwise_scale_inv"].shape   # w1: [8, 256, 128], 1x128 blocks
+        torch.Size([8, 256, 1])
+    """
+    out = {}
+    for usage, plane in q.planes.items():
+        out[plane_key(usage, "data")] = one_byte_as_uint8(plane.data).clone().reshape(q.shape)
+        scale = one_byte_as_uint8(plane.scale_inv).clone()
+        out[plane_key(usage, "scale_inv")] = scale.reshape(q.shape[0], -1, scale.shape[-1])
     return out

@@ -76,7 +76,7 @@ shard group size (FSDP2: ``True``) or to 1 (FSDP2: ``False``) needs nothing.
 On a one-rank mesh nothing is sent at all: the "gather" would be a copy of the shard, so the
 unsharded parameter views the shard's own planes instead, serving every usage the shard serves (a
 QuantizedTensor over them, or for the weights of TE modules, where every TE buffer of the
-direction can be a view of the shard, a TE tensor, ``te.py``). An optimizer step rewrites the
+direction can be a view of the shard, a TE tensor, ``te_tensor.py``). An optimizer step rewrites the
 shard's bytes and scales in place, so an unsharded weight kept across a step
 (``set_reshard_after_backward(False)``) reads the new values, never old bytes with a new scale;
 FSDP2's own copy would keep the old ones until it gathers again.
@@ -86,7 +86,7 @@ transpose TE's backward GEMM wants is built after a backward-only gather, or by 
 itself (the "transpose cache", kept in the parameter's owner record with the plane tensors it was
 built from: see the note in ``tensor.py``), and dropped after use or at the next gather, so it
 never outlives the unsharded parameter.
-The unsharded weights of TE modules (``te.py``'s view) serve the gathered direction only and are
+The unsharded weights of TE modules (``te_tensor.py``'s view) serve the gathered direction only and are
 not completed: TE's modules read TE's own tensors.
 """
 
@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 import weakref
 
@@ -102,10 +101,9 @@ import torch
 
 from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, RecipeError
-from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, join_side_outputs, pack,
-                           planes_from_outputs, served_usages, split_side_inputs, unpack)
-from .fsdp_completion import GatheredWeight
-from .ops.slicing import slice_quantized
+from .fsdp_buffers import (GatherMetadata, GatherPlan, PlanEntry, gather_inputs, gather_plan, gathered_planes, pack,
+                           served_usages, split_side_inputs)
+from .fsdp_unsharded import gathered_weight, view_of_shard
 from .owner_protocols import UnshardedView  # noqa: F401  (re-exported: fsdp.UnshardedView)
 from .tensor import QuantizedTensor
 
@@ -220,7 +218,7 @@ def gather_both_usages(module: torch.nn.Module) -> torch.nn.Module:
 def _shard_view_gather(q: QuantizedTensor, plan: GatherPlan, usages, outer_size):
     """One rank (``GatherPlan.shard_view``): FSDP gets an empty all-gather input (it copies
     nothing) and the post-all-gather hook hands out a tensor viewing the shard's own planes
-    (:func:`_view_of_shard`, or the registered view's ``from_shard``)."""
+    (``fsdp_unsharded.view_of_shard``, or the registered view's ``from_shard``)."""
     empty = torch.empty(0, dtype=torch.uint8, device=q.device)
     # The shard's planes serve whatever the shard serves (the view is over all of them), except
     # through a registered view (TE's buffers are built for the gathered direction).
@@ -344,107 +342,31 @@ def _with_logical_shape(result, q: QuantizedTensor, outer_size):
     return inputs, dataclasses.replace(metadata, logical_shape=tuple(outer_size))
 
 
-def _shared_scale(record, out, usage: str, live: torch.Tensor) -> torch.Tensor:
-    """A copy of the shard's per-tensor scale ``live`` for the unsharded parameter ``out`` (``None``
-    at the first gather; its copies are the owner record's ``gather.unsharded_scales``): like the gathered bytes, a copy, so an unsharded weight that outlives an
-    optimizer step never pairs its old bytes with the shard's new scale. Later gathers overwrite
-    the copy in place (no allocation), keeping its autograd version as FSDP2 keeps its all-gather
-    outputs': a compiled block's forward saves the gathered scale for its backward, and the
-    backward's gather writes the same value into it (no optimizer step runs in between)."""
-    copy = record.unsharded_scales.get(usage) if out is not None else None
-    if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
-        return live.clone()
-    with _compat.preserve_version_counter(copy):
-        return copy.copy_(live)
-
-
-def _keep_shared_scales(record, planes: dict, shared_scales: dict) -> None:
-    """Remember in the owner record which scale tensors are the unsharded parameter's own copies."""
-    if shared_scales:
-        record.unsharded_scales = {u: planes[u].scale_inv for u in shared_scales}
-
-
-#: The gathers after which the transpose cache is built here: backward-only ones, whose one consumer
-#: (the input-gradient GEMM) drops it after use. A gather of both planes (no reshard after forward,
-#: activation checkpointing, a compiled block) leaves it to the backward GEMM, which builds it on
-#: demand: a compiled backward computes its own transpose inside the graph and never drops an
-#: eager cache, which would then hold one byte per weight element until the next gather.
+#: The gathers after which the transpose cache is built by the post-all-gather hook: backward-only
+#: ones, whose one consumer (the input-gradient GEMM) drops it after use. A gather of both planes
+#: (no reshard after forward, activation checkpointing, a compiled block) leaves it to the backward
+#: GEMM, which builds it on demand: a compiled backward computes its own transpose inside the graph
+#: and never drops an eager cache, which would then hold one byte per weight element until the next
+#: gather.
 _BACKWARD_ONLY = (COLUMNWISE,)
 
 
-def _view_of_shard(shard: QuantizedTensor, usages: tuple[str, ...], dtype: torch.dtype, out, backward_only: bool):
-    """The unsharded parameter of a one-rank gather: a QuantizedTensor over ``shard``'s own planes
-    serving ``usages`` (``(tensor, ())`` at the first gather, else ``out`` re-pointed in place), with
-    the transpose cache after a ``backward_only`` gather."""
-    if out is None:
-        view = QuantizedTensor.from_planes(shard.planes, shard.recipe, tuple(shard.shape), dtype, usages,
-                                           param_state=shard.param_state)
-    else:
-        # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
-        view = _compat.dtensor_local(out)
-        # Every gather of a step finds it already over the shard's planes (an optimizer step rewrites
-        # them in place): re-pointing it would set the same tensors again.
-        if not (view.holds(shard.plane_tensors()) and view.usages == tuple(u for u in USAGES if u in usages)):
-            view.repoint_(shard.planes, usages)
-    if backward_only:
-        view.create_transpose_cache()
-    return (view, ()) if out is None else None
-
-
 def fsdp_post_all_gather(self: QuantizedTensor, outputs, metadata: GatherMetadata, param_dtype, *, out=None):
-    usages, backward_only = metadata.usages, metadata.gathered == _BACKWARD_ONLY
+    backward_only = metadata.gathered == _BACKWARD_ONLY
+    view = metadata.view  # the registered view builds the unsharded parameter (te_tensor.py: a TE tensor)
     if metadata.shard_view:  # one rank: the unsharded parameter views this shard
-        if metadata.view is not None:
-            return metadata.view.from_shard(self, metadata.gathered, param_dtype, out)
-        return _view_of_shard(self, usages, param_dtype, out, backward_only)
-    logical = metadata.logical_shape  # a weight of more than two dims: its planes' rows are flattened
-    if metadata.packed_layout is not None:
-        outputs = unpack(outputs[0], metadata.packed_layout)
-    outputs = join_side_outputs(outputs, metadata)
-    # Under tensor parallelism ``out`` is the DTensor over the tp mesh: its local tensor is updated.
-    out_local = _compat.dtensor_local(out) if out is not None else None
+        if view is None:
+            return view_of_shard(self, metadata.usages, param_dtype, out, backward_only)
+        return view.from_shard(self, metadata.gathered, param_dtype, out)
     record = self.param_state.gather
-    padded_rows, world, k, shared_scales = metadata.padded_rows, metadata.world, metadata.cols, metadata.shared_scales
-    full_rows = padded_rows * world
-    planes = planes_from_outputs(self.recipe, outputs, metadata.stored, metadata.fp8_dtypes, shared_scales,
-                                 padded_rows, world, k, lambda u, live: _shared_scale(record, out_local, u, live),
-                                 metadata.scale_routes)
-    if metadata.view is not None:  # the registered view builds the unsharded parameter (te.py: a TE tensor)
-        result = metadata.view(planes, self.recipe, (full_rows, k), param_dtype, metadata.gathered, out,
-                               metadata.orig_rows)
-        _keep_shared_scales(record, planes, shared_scales)
-        return result
-    completes = False
-    if len(usages) < len(USAGES) and metadata.process_group is not None:
-        # One plane of two: a read of the other completes the weight (fsdp_completion.py).
-        record.gathered = GatheredWeight(weakref.ref(self), metadata, planes)
-        # The backward gather of a weight that a checkpointed module recomputes: the recompute's
-        # rowwise plane is all-gathered now, at the gather, not at the recompute's first read.
-        completes = backward_only and record.completes_for_recompute
-    gathered = QuantizedTensor.from_planes(planes, self.recipe, (full_rows, k), param_dtype, usages,
-                                           param_state=self.param_state, phase=metadata.phase)
-    if out is not None:
-        # FSDP reuses the unsharded parameter object; point it at this gather's planes (views of
-        # FSDP's own all-gather buffers, which FSDP frees and re-allocates itself).
-        rows = out_local.shape[0] * out_local.rows_per_index
-        trimmed = slice_quantized(gathered, 0, 0, rows) if rows != full_rows else gathered
-        out_local.repoint_(trimmed.planes, trimmed.usages)
-        if completes:
-            record.gathered.complete_(out_local, ROWWISE)
-        if backward_only:
-            out_local.create_transpose_cache()
-        _keep_shared_scales(record, planes, shared_scales)
-        return
-    if logical is not None:  # the padded weight with its leading dims back (FSDP2 un-pads it with as_strided)
-        gathered = gathered.with_shape((full_rows // math.prod(logical[1:-1]), *logical[1:]))
-    if completes:  # before FSDP2 makes its aliases of ``gathered``, so that they hold the plane too
-        record.gathered.complete_(gathered, ROWWISE)
-    if backward_only:
-        gathered.create_transpose_cache()
-    _keep_shared_scales(record, planes, shared_scales)
-    # The planes are views of `outputs`, which FSDP already frees on reshard. The list FSDP2 frees
-    # with them is the owner record's: a completion adds its buffers there.
-    return gathered, record.inner_tensors
+    # The unsharded weight's per-tensor scales are copies (the last gather's, overwritten in place).
+    planes = gathered_planes(self.recipe, outputs, metadata, record.unsharded_scales if out is not None else None)
+    if metadata.shared_scales:  # which scale tensors are the unsharded parameter's own copies
+        record.unsharded_scales = {u: planes[u].scale_inv for u in metadata.shared_scales}
+    if view is None:
+        return gathered_weight(self, planes, metadata, param_dtype, out, backward_only)
+    return view(planes, self.recipe, (metadata.padded_rows * metadata.world, metadata.cols), param_dtype,
+                metadata.gathered, out, metadata.orig_rows)
 
 
 class _BoundPreAllGather:

@@ -2,7 +2,7 @@
 
 ``fsdp.py``'s hooks choose the usages a gather moves; this module turns that choice into the
 all-gather inputs (a :class:`GatherPlan`, made once per kind of gather) and the gathered buffers back
-into planes (:func:`planes_from_outputs`). ``fsdp_completion.py`` sends the same inputs for the one
+into planes (:func:`gathered_planes`). ``fsdp_completion.py`` sends the same inputs for the one
 plane a completion gathers.
 
 Each stored plane is sent as two inputs: its FP8 data as uint8 ``(rows, K)`` and its block scales
@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from . import _compat
 from .formats.base import COLUMNWISE, ROWWISE, USAGES, Plane
 import torch.distributed as dist
 
@@ -68,7 +69,7 @@ class GatherMetadata:
     shared_scales: dict  # per-tensor scales: identical on every rank, not sent
     padded_rows: int  # rows of each rank's (padded) shard
     world: int
-    view: object  # the owning module's registered fsdp.UnshardedView (te.py), or None: a QuantizedTensor
+    view: object  # the owning module's registered fsdp.UnshardedView (te_tensor.py), or None: a QuantizedTensor
     orig_rows: int  # rows of the unpadded full weight
     cols: int  # columns of the weight (shards split rows only)
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
@@ -91,7 +92,7 @@ class GatherPlan:
     pad_rows: int  # rows this rank's shard is short of ``padded_rows`` (the last shard of an uneven split)
     sent_scales: tuple[str, ...]  # planes whose scales are all-gathered (the others travel in metadata)
     scale_slot: int  # numel of every scale input (see scale_slot_numel)
-    view: object  # the owning module's registered fsdp.UnshardedView (te.py), or None
+    view: object  # the owning module's registered fsdp.UnshardedView (te_tensor.py), or None
     fp8_dtypes: tuple  # dtype of each plane in ``stored``
     shard_view: bool  # one rank (with a registered view: if it can view the shard itself, ``views_shard``)
     process_group: object  # the shard mesh's process group (several ranks), else None
@@ -172,17 +173,41 @@ def gather_inputs(q: QuantizedTensor, plan: GatherPlan) -> tuple[list, dict, dic
             padded[: scale.numel()] = scale
             inputs.append(padded)
         else:
-            # The shard's own scale: the post-all-gather hook copies it (see _shared_scale).
+            # The shard's own scale: the post-all-gather hook copies it (see fsdp_buffers._scale_copy).
             shared_scales[usage] = plane.scale_inv
     return inputs, shared_scales, local_planes
 
 
+def gathered_planes(recipe, outputs, metadata: GatherMetadata, kept_scales: dict | None) -> dict[str, Plane]:
+    """The full (padded) planes of a gather over several ranks from FSDP2's all-gather ``outputs``
+    (unpacked, the side inputs joined): :func:`planes_from_outputs` of the gather's metadata.
+
+    Args:
+        recipe: the weight's recipe.
+        outputs: FSDP2's all-gather outputs for the inputs :func:`gather_inputs` made.
+        metadata: the gather's :class:`GatherMetadata`.
+        kept_scales: the unsharded parameter's per-tensor scale copies from its last gather, by
+            stored plane (``None`` at its first gather): overwritten in place (see
+            :func:`planes_from_outputs`).
+
+    Example:
+        >>> planes = gathered_planes(q.recipe, outputs, metadata, None)   # {"rowwise": Plane(...)}
+    """
+    if metadata.packed_layout is not None:
+        outputs = unpack(outputs[0], metadata.packed_layout)
+    outputs = join_side_outputs(outputs, metadata)
+    return planes_from_outputs(recipe, outputs, metadata.stored, metadata.fp8_dtypes, metadata.shared_scales,
+                               metadata.padded_rows, metadata.world, metadata.cols, kept_scales,
+                               metadata.scale_routes)
+
+
 def planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict, padded_rows: int, world: int,
-                         cols: int, scale_copy, scale_routes: dict) -> dict[str, Plane]:
+                        cols: int, kept_scales: dict | None, scale_routes: dict) -> dict[str, Plane]:
     """The full (padded) planes over all-gather ``outputs`` of the inputs :func:`gather_inputs`
     made for the planes ``stored``: views of the output buffers (block scales: the full grid out of
     the ranks' slots, by each plane's route in ``scale_routes``, from the plan); per-tensor scales
-    from ``scale_copy(usage, shard_scale)``."""
+    are copies of the shard's (:func:`_scale_copy`), written into ``kept_scales``' tensors where
+    given."""
     full_rows = padded_rows * world
     planes, i = {}, 0
     for usage, fp8_dtype in zip(stored, fp8_dtypes, strict=True):
@@ -194,9 +219,22 @@ def planes_from_outputs(recipe, outputs, stored, fp8_dtypes, shared_scales: dict
             i += 1
             scale = scale.view(scale_dtype) if scale_dtype.itemsize == 1 else scale
         else:
-            scale = scale_copy(usage, shared_scales[usage])
+            scale = _scale_copy(None if kept_scales is None else kept_scales.get(usage), shared_scales[usage])
         planes[usage] = Plane(data, scale)
     return planes
+
+
+def _scale_copy(copy: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor:
+    """A copy of the shard's per-tensor scale ``live`` for the unsharded parameter: like the
+    gathered bytes, a copy, so an unsharded weight that outlives an optimizer step never pairs its
+    old bytes with the shard's new scale. A later gather overwrites the parameter's last ``copy``
+    in place (no allocation), keeping its autograd version as FSDP2 keeps its all-gather
+    outputs': a compiled block's forward saves the gathered scale for its backward, and the
+    backward's gather writes the same value into it (no optimizer step runs in between)."""
+    if copy is None or copy.shape != live.shape or copy.dtype != live.dtype:
+        return live.clone()
+    with _compat.preserve_version_counter(copy):
+        return copy.copy_(live)
 
 
 def split_side_inputs(inputs: list, plan: GatherPlan) -> tuple[list, tuple]:

@@ -47,7 +47,6 @@ import torch
 from . import _compat
 from .formats.base import USAGES, Plane, RecipeError
 from .fsdp_buffers import GatherMetadata, gather_inputs, gather_plan, planes_from_outputs
-from .ops.slicing import slice_quantized
 from .owner_protocols import PlaneCompletion
 from .tensor import QuantizedTensor
 
@@ -93,9 +92,7 @@ class GatheredWeight(PlaneCompletion):
         full_rows = m.padded_rows * m.world
         rows = t.shape[0] * t.rows_per_index  # an [experts, out, in] weight's planes: experts * out rows
         if rows != full_rows:  # the unpadded weight: its rows of the full plane
-            full = QuantizedTensor.from_planes({stored: plane}, t.recipe, (full_rows, m.cols), t.dtype, (usage,),
-                                               phase=m.phase)
-            plane = slice_quantized(full, 0, 0, rows).planes[stored]
+            plane = t.recipe.narrow_planes({stored: plane}, 0, 0, rows, m.phase[0])[stored]
         # A stale alias's planes name the earlier gather's direction over bytes this gather
         # rewrote: only those over this gather's buffers of the same plane are kept.
         planes = {u: p for u, p in t.planes.items() if self._holds_now(u, p)}
@@ -140,6 +137,5 @@ class GatheredWeight(PlaneCompletion):
             outputs.append(gathered)
             record.inner_tensors.append(gathered)  # freed by FSDP2 with its own buffers, at reshard
         planes = planes_from_outputs(shard.recipe, outputs, plan.stored, plan.fp8_dtypes, shared_scales,
-                                     m.padded_rows, m.world, m.cols, lambda u, live: live.clone(),
-                                     plan.scale_routes)
+                                     m.padded_rows, m.world, m.cols, None, plan.scale_routes)
         return planes[stored]

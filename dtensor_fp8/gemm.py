@@ -234,10 +234,7 @@ def unsupported_reason(x: torch.Tensor, weight) -> str | None:
         return "under torch.compile: the operand scaling state (delayed scaling's amax histories) is kept outside the graph"
     tokens = x.numel() // max(x.shape[-1], 1)
     cc = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
-    # A piece starting inside its blocks runs on operands padded to whole blocks (see the note on
-    # shards that start inside blocks): the GEMMs' dims are the padded ones.
-    front = weight.recipe.gemm_front(weight.phase) if any(weight.phase) else (0, 0)
-    key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0] + front[0], weight.shape[1] + front[1],
+    key = (weight.recipe, x.device.type, cc, tokens, weight.shape[0], weight.shape[1], weight.phase,
            x.dtype, weight.dtype)
     if any(isinstance(v, torch.SymInt) for v in key[3:6]):
         # Dynamic shapes under torch.compile (dynamo marks a dim dynamic once it sees two sizes): a
@@ -253,16 +250,21 @@ def _has_operand_state(recipe, device) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _unsupported(recipe, device_type, cc, tokens, out_features, in_features, x_dtype, w_dtype) -> str | None:
+def _unsupported(recipe, device_type, cc, tokens, rows, cols, phase, x_dtype, w_dtype) -> str | None:
     if gemm_recipe(recipe) is None:
         return f"{recipe.name} declares no FP8 GEMM"
     if x_dtype not in _HP_DTYPES or w_dtype not in _HP_DTYPES:
         return f"dtypes x {x_dtype}, weight {w_dtype} (FP8 GEMMs output bf16/fp16/fp32)"
-    dims = {"tokens": tokens, "out_features": out_features, "in_features": in_features}
+    dims = None
     for gemm, (ba, bb, da, db) in _gemm_blocks(recipe).items():
         why = unsupported_pair(ba, bb, da, db)
         if why is not None:
             return f"{gemm}: {why}"
+        if dims is None:
+            # A piece starting inside its blocks runs on operands padded to whole blocks (see the
+            # note on shards that start inside blocks): the GEMMs' dims are the padded ones.
+            front = recipe.gemm_front(phase) if any(phase) else (0, 0)
+            dims = {"tokens": tokens, "out_features": rows + front[0], "in_features": cols + front[1]}
         for layout in (layout_for(ba), layout_for(bb)):
             if cc is None:
                 if device_type != "cpu" or not layout.runs_on_cpu:
@@ -292,6 +294,23 @@ def expected_on(device_type: str) -> bool:
     """
     m = mode()
     return m == "on" or (m == "auto" and device_type != "cpu")
+
+
+def fallback_reason(x: torch.Tensor, weight) -> str | None:
+    """Why ``F.linear(x, weight)`` runs the emulated linear (``None``: it runs FP8 GEMMs), said
+    once per process and reason where FP8 GEMMs were expected (:func:`note_fallback`).
+
+    Args:
+        x: activations ``(..., K)``.
+        weight: a QuantizedTensor ``(M, K)``.
+
+    Example:
+        >>> fallback_reason(torch.randn(4, 256), q)   # on the CPU: "CPU (FP8 GEMMs run on CUDA; ...)"
+    """
+    reason = unsupported_reason(x, weight)
+    if reason is not None:
+        note_fallback(reason, x, weight, stacklevel=5)
+    return reason
 
 
 def note_fallback(reason: str, x: torch.Tensor, weight, *, subject: str | None = None, stacklevel: int = 4) -> None:
@@ -345,8 +364,8 @@ def _quantize_padded(quantizer, hp: torch.Tensor, pad: int, *, rowwise: bool, co
     its columnwise plane from ``hp`` as it is (the weight-gradient GEMM reads no weight)."""
     if not pad:
         return quantizer.quantize_operand(hp, rowwise=rowwise, columnwise=columnwise, state=state)
-    planes, state = quantizer.quantize_operand(_pad_cols_front(hp, pad), rowwise=True, columnwise=False, state=state) \
-        if rowwise else ({}, state)
+    planes, state = (quantizer.quantize_operand(_pad_cols_front(hp, pad), rowwise=True, columnwise=False, state=state)
+                     if rowwise else ({}, state))
     if columnwise:
         col, state = quantizer.quantize_operand(hp, rowwise=False, columnwise=True, state=state)
         planes = {**planes, **col}

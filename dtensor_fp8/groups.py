@@ -136,6 +136,10 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     if layout is None:
         return None
     block = (p._local_tensor if isinstance(p, DTensor) else p).recipe.block_shape(usage)
+    mesh, placements, _ = layout
+    # the group of each mesh dim that shards a tensor dim (as weight_groups finds them)
+    sharding = [(d, mesh.get_group(i)) for i, pl in enumerate(placements)
+                if (d := shard_dim(pl)) is not None and mesh.size(i) > 1]
     starts = split_starts(layout, (block.extent(0), block.extent(1)))
     if starts is None:
         return None
@@ -144,7 +148,7 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     split = {dims[i] for i, s in enumerate(starts) if s is not None}
     return SplitBlocks(tuple(0 if s is None else s // block.extent(i) for i, s in enumerate(starts)),
                        tuple(None if s is None else -(-extents[i] // block.extent(i)) for i, s in enumerate(starts)),
-                       weight_groups(p, lambda d: d in split))
+                       tuple(g for d, g in sharding if d in split))
 
 
 def mesh_groups(params: Iterable[torch.Tensor]) -> tuple[Group, ...]:
@@ -184,6 +188,23 @@ def max_over_(tensor: torch.Tensor, groups: Sequence[Group]) -> torch.Tensor:
     for group in groups:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+def whole_grid(scale: torch.Tensor, split: SplitBlocks) -> torch.Tensor:
+    """A weight's block grid, whole along the dims its shards split, from each rank's grid of the
+    blocks it touches: :meth:`SplitBlocks.whole` MAX-reduced over ``split.groups``.
+
+    Args:
+        scale: this rank's scales of the blocks it touches (E8M0 as uint8 bytes, which reduce
+            exactly as floats).
+        split: ``split_blocks`` of the plane.
+
+    Example:
+        >>> whole_grid(local_scales, split_blocks(w, "rowwise"))   # the same grid on every rank
+    """
+    rows = scale.float() if scale.dtype.itemsize == 1 else scale
+    whole = max_over_(split.whole(rows), split.groups)
+    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
 
 
 def max_by_groups_(amaxes: list[torch.Tensor], groups: Sequence[tuple[Group, ...]]) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ delivered: for MXFP8 and 1x128 blockwise the two planes hold different values, s
 wrong one changes the input gradient. It runs on the CPU (unless ``DTENSOR_FP8_GEMMS=on``), for
 shapes and recipes torch has no scaled GEMM for on the device (MXFP8 before sm_100; dims not
 multiples of 16, or of 128 for blockwise), and with ``DTENSOR_FP8_GEMMS=off``; on CUDA it says so
-once per process with the reason (``gemm.note_fallback``).
+once per process with the reason (``gemm.fallback_reason``).
 
 [Note: autocast]
 Under ``torch.autocast(device, dtype)`` autocast casts ``F.linear``'s operands to its dtype before
@@ -26,6 +26,8 @@ nominal dtype over the same FP8 bytes) and the local GEMMs (``ops/gemm.py``) rea
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -79,10 +81,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 def _linear(input: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    reason = gemm.unsupported_reason(input, weight)
-    if reason is None:
+    if gemm.fallback_reason(input, weight) is None:
         return gemm.fp8_linear(input, weight, bias)
-    gemm.note_fallback(reason, input, weight)
     return _QuantizedLinear.apply(input, weight, bias)
 
 
@@ -104,12 +104,14 @@ def quantized_linear(input: torch.Tensor, weight, bias: torch.Tensor | None = No
     """
     dtype = autocast_dtype(input)
     if dtype is None:
-        return _linear(input, weight, bias)
-    # What autocast does to F.linear's operands (its cast of the weight is the dequantize to the
-    # activation's dtype, or the FP8 GEMM's output dtype); the paths then run with autocast off,
-    # so nothing inside them (the operand quantization, a bias sum) is cast again.
-    input = input.to(dtype)
-    if bias is not None and bias.is_floating_point():
-        bias = bias.to(dtype)
-    with torch.autocast(input.device.type, enabled=False):
+        autocast_off = contextlib.nullcontext()
+    else:
+        # What autocast does to F.linear's operands (its cast of the weight is the dequantize to the
+        # activation's dtype, or the FP8 GEMM's output dtype); the paths then run with autocast off,
+        # so nothing inside them (the operand quantization, a bias sum) is cast again.
+        input = input.to(dtype)
+        if bias is not None and bias.is_floating_point():
+            bias = bias.to(dtype)
+        autocast_off = torch.autocast(input.device.type, enabled=False)
+    with autocast_off:
         return _linear(input, weight, bias)

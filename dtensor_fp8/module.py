@@ -159,16 +159,16 @@ def fp8_parameter_values(weight: torch.Tensor, recipe: Recipe, keep_hp_init: boo
         >>> q.bytes_pending
         True
     """
+    if not weight.is_meta:
+        q = quantize(weight, recipe)
+        return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
     shape = tuple(weight.shape)
-    if weight.is_meta:
-        # the planes are the matrix of the weight (leading dims flattened: tensor.py's note)
-        planes = recipe.empty_planes(as_matrix_shape(shape), ("rowwise", "columnwise"), weight.device)
-        hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
-        q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
-        q.param_state.lifecycle.mark_built_on_meta()  # its init writes hp_init; finish_init_ makes the bytes
-        return q
-    q = quantize(weight, recipe)
-    return q.rebuild(hp_init=weight.to("cpu", copy=True) if keep_hp_init else None)
+    # the planes are the matrix of the weight (leading dims flattened: tensor.py's note)
+    planes = recipe.empty_planes(as_matrix_shape(shape), ("rowwise", "columnwise"), weight.device)
+    hp = torch.empty(shape, dtype=dtype or weight.dtype, device=weight.device)
+    q = QuantizedTensor.from_planes(planes, recipe, shape, hp.dtype, hp_init=hp)
+    q.param_state.lifecycle.mark_built_on_meta()  # its init writes hp_init; finish_init_ makes the bytes
+    return q
 
 
 def _parameter_places(module: nn.Module) -> dict[int, list[str]]:

@@ -60,15 +60,14 @@ from torch.distributed.tensor import DTensor
 
 from ._compat import dtensor_local
 from .agreement import gather_findings
-from .groups import bind_layout_, max_over_
+from .groups import max_over_
 from .module import finish_init_
-from .placement import like, local_tensor
+from .placement import inner_tensor, local_tensor
 from . import optim_follow
 from .operand_scaling import update_operand_scaling_
 from .param_writes import master_loaded_, masters_follow_loaded_bytes_
 from .optim_load import stage_load
-from .optim_masters import (check_master_dtype, check_masters_linked, first_optimizers_master, own_tensor,
-                            take_masters_over)
+from .optim_masters import check_master_dtype, check_masters_linked, master_and_inner, take_masters_over
 from .optim_state import OptimizerParts, StateView
 from .requantize import GraphedRequantize
 from .tensor import QuantizedTensor
@@ -151,27 +150,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         parts = self._parts = OptimizerParts(fqn=_fqns(model, groups))
         with torch.no_grad():
             for p in (p for g in groups for p in g["params"]):
-                bind_layout_(p)
-                local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
-                if isinstance(local, QuantizedTensor):
-                    init = local.take_hp_init()
-                    kept = first_optimizers_master(p, local)
-                    if init is not None:
-                        master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
-                    elif kept is not None and kept.shape == local.shape:
-                        # a second optimizer: the first one's masters, not their FP8 rounding
-                        master_local = kept.to(dtype=master_dtype, copy=True)
-                    else:
-                        master_local = local.dequantize(master_dtype)
-                    master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+                master, stepped = master_and_inner(p, master_dtype)
+                parts.inner_of[p] = stepped
+                if master is not None:
                     parts.masters[p] = master
-                    parts.inner_of[p] = _local_alias(master)
-                else:
-                    parts.inner_of[p] = _local_alias(p)
         inner = optimizer_cls([{**g, "params": [parts.inner_of[p] for p in g["params"]]} for g in groups], **defaults)
         super().__init__(groups, inner.defaults)  # parts.inner is None: add_param_group leaves it alone
         parts.inner = inner
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         # The weight scaling state of stateful recipes (delayed scaling's amax history), made now in
         # each parameter's owner record from its plane's current scale: a fresh optimizer is then a
         # complete checkpoint template.
@@ -221,7 +207,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     "master is made at construction. Pass every FP8 parameter when building the optimizer "
                     "(frozen ones may have requires_grad=False).")
             names = _fqns(self.model, [group])
-            aliases = {p: _local_alias(p) for p in group["params"]}
+            aliases = {p: inner_tensor(p) for p in group["params"]}
             self._parts.inner.add_param_group({**group, "params": [aliases[p] for p in group["params"]]})
             self._parts.inner_of.update(aliases)
             self._parts.fqn.update(names)
@@ -248,7 +234,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         materializing = self._hand_over_gradients()
         if not materializing:  # (not torch's state-creating step, which set_state_dict runs before its loads)
             masters_follow_loaded_bytes_(self._parts.masters)  # a model-only load since the last step: follow it
@@ -368,7 +354,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             target.copy_(value)
         for group, hyperparameters in staged.hyperparameters:
             group.update(hyperparameters)
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         self.state.forget_views()
         self._parts.generation += 1
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -427,13 +413,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 "(accelerate's prepare does this), not followed yet. Fix: call opt.follow_model() first, on every "
                 "rank (with accelerate: opt.optimizer.follow_model() right after accelerator.prepare); step(), "
                 "zero_grad(), state_dict() and load_state_dict() call it themselves. Nothing was changed.")
-
-    def _sync_hyperparameters(self) -> None:
-        """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
-        for outer, inner in zip(self.param_groups, self._parts.inner.param_groups, strict=True):
-            for key, value in outer.items():
-                if key != "params" and inner.get(key) is not value:
-                    inner[key] = value
 
     def _agreement_groups(self) -> tuple:
         """The process groups over which every rank stepping these parameters must decide alike: the
@@ -522,7 +501,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         missing = {id(t): t for t in self._parts.inner_of.values() if t.requires_grad and t not in inner.state}
         if not missing:
             return
-        self._sync_hyperparameters()
+        self._parts.sync_hyperparameters()
         saved = [(g, k, g[k]) for g in self._parts.inner.param_groups for k in ("lr", "weight_decay") if k in g]
         for g, k, v in saved:
             g[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
@@ -586,11 +565,3 @@ def _fqns(model: nn.Module, groups: list[dict]) -> dict:
                     "parameter of the model. Build the optimizer after fully_shard (which replaces the "
                     "parameters) from model.parameters() / model.named_parameters().")
     return names
-
-
-def _local_alias(p: torch.Tensor) -> torch.Tensor:
-    """What the inner optimizer steps for ``p``: ``p`` itself unless it is a DTensor, else a
-    parameter sharing the storage of its local shard."""
-    if not isinstance(p, DTensor):
-        return p
-    return nn.Parameter(dtensor_local(p).detach(), requires_grad=p.requires_grad)

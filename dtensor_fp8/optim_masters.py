@@ -1,4 +1,5 @@
-"""Which ``MasterWeightOptimizer`` owns an FP8 weight's master, and which master dtypes train.
+"""An FP8 weight's master: how a ``MasterWeightOptimizer`` makes it, which optimizer owns it, and
+which master dtypes train.
 
 [Note: one owner of a master]
 An FP8 weight's owner record (``FP8ParamState.links.master``) links the one master every write of the
@@ -20,10 +21,12 @@ divides 0 by 0, and every master is NaN after the first step (already at the fir
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._compat import dtensor_local
-from .placement import local_tensor
+from .groups import bind_layout_
+from .placement import inner_tensor, like, local_tensor
 from .tensor import QuantizedTensor
 
 #: the dtypes masters (and so the inner optimizer's state) may have
@@ -66,14 +69,45 @@ def first_optimizers_master(p: torch.Tensor, local: QuantizedTensor) -> torch.Te
     master = local.param_state.links.master_tensor()
     if master is None:
         return None
-    if isinstance(master, DTensor) and isinstance(p, DTensor) and tuple(master.placements) == tuple(p.placements) \
-            and master.device_mesh == p.device_mesh:
+    if (isinstance(master, DTensor) and isinstance(p, DTensor) and tuple(master.placements) == tuple(p.placements)
+            and master.device_mesh == p.device_mesh):
         return dtensor_local(master).detach()
     if isinstance(master, DTensor) or tuple(master.shape) != tuple(p.shape):
         return None
     if isinstance(p, DTensor):
         return distribute_tensor(master.detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
     return master.detach()
+
+
+def master_and_inner(p: torch.Tensor, master_dtype: torch.dtype) -> tuple:
+    """``(master, inner)``: the master (an ``nn.Parameter``) a ``MasterWeightOptimizer`` keeps for
+    the parameter ``p`` (``None`` unless ``p`` is FP8) and what its inner optimizer steps for ``p`` (``placement.inner_tensor`` of the master,
+    else of ``p``), after binding ``p``'s layout to its mesh (``groups.bind_layout_``). The master starts
+    from the weight's kept high-precision init values (taken from it), else from the master of an
+    optimizer that owned it before (see the note), else from its FP8 values.
+
+    Args:
+        p: a parameter of the optimizer's groups.
+        master_dtype: the optimizer's ``master_dtype``.
+
+    Example:
+        >>> master, inner = master_and_inner(model.w1.weight, torch.float32)
+    """
+    bind_layout_(p)
+    local = dtensor_local(p)  # itself, not an alias: its hp_init is taken
+    master = None
+    if isinstance(local, QuantizedTensor):
+        kept = first_optimizers_master(p, local)
+        init = local.take_hp_init()
+        if init is not None:
+            master_local = own_tensor(init.to(device=local.device, dtype=master_dtype), init)
+        elif kept is not None and kept.shape == local.shape:
+            # a second optimizer: the first one's masters, not their FP8 rounding
+            master_local = kept.to(dtype=master_dtype, copy=True)
+        else:
+            master_local = local.dequantize(master_dtype)
+        master = nn.Parameter(like(p, master_local), requires_grad=p.requires_grad)
+    return master, inner_tensor(p if master is None else master)
 
 
 def own_tensor(master: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
@@ -155,5 +189,5 @@ def check_masters_linked(ownership: Ownership | None, what: str) -> None:
             "optimizer only (del this one): one MasterWeightOptimizer per model. Nothing was changed.")
 
 
-__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master", "own_tensor",
-           "take_masters_over", "check_masters_linked"]
+__all__ = ["MASTER_DTYPES", "Ownership", "check_master_dtype", "first_optimizers_master",
+           "master_and_inner", "own_tensor", "take_masters_over", "check_masters_linked"]

@@ -54,6 +54,13 @@ class OptimizerParts:
     #: ``(len(inner_of), groups)`` as :meth:`agreement_groups` last found them
     agreement: tuple | None = None
 
+    def sync_hyperparameters(self) -> None:
+        """The outer groups' hyper-parameters into the inner groups (schedulers write the outer ones)."""
+        for outer, inner in zip(self.groups, self.inner.param_groups, strict=True):
+            for key, value in outer.items():
+                if key != "params" and inner.get(key) is not value:
+                    inner[key] = value
+
     def fqn_of(self, p) -> str:
         """``p``'s FQN, or a placeholder for a tensor that is not one of the model's parameters."""
         return self.fqn.get(p, "<parameter>")

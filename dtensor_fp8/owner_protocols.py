@@ -13,7 +13,7 @@ slot of the record          Protocol                        implemented by      
                                                             (``optim_masters.py``)
 ``gather.group`` (weak)     :class:`GatheringGroup`         FSDP2's ``FSDPParamGroup``              ``fsdp.py`` (through
                                                                                                     ``_compat``)
-``gather.unsharded_view``   :class:`UnshardedView`          ``te.TEUnshardedView``                  ``fsdp_post_all_gather``,
+``gather.unsharded_view``   :class:`UnshardedView`          ``te_tensor.TEUnshardedView``           ``fsdp_post_all_gather``,
                                                                                                     ``fsdp_buffers.gather_plan``
 ``gather.gathered``         :class:`PlaneCompletion`        ``fsdp_completion.GatheredWeight``      ``QuantizedTensor.plane``
                                                                                                     (a read of a plane the
@@ -62,7 +62,7 @@ class PlaneCompletion(Protocol):
 
 class UnshardedView(Protocol):
     """What FSDP2 gathers of a module's FP8 weights hand out as the unsharded parameter, where that
-    is not a :class:`QuantizedTensor` (registered with ``fsdp.register_unsharded_view``; ``te.py``'s
+    is not a :class:`QuantizedTensor` (registered with ``fsdp.register_unsharded_view``; ``te_tensor.py``'s
     ``TEUnshardedView`` builds TE tensors that TE's GEMMs read). ``fsdp_post_all_gather`` calls it.
 
     Every method follows FSDP2's post-all-gather contract: at the first gather (``out is None``) it

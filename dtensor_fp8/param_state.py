@@ -112,7 +112,7 @@ class GatherState:
             activation-checkpointed module owning the weight (see the note in
             ``fsdp_completion.py``); fixed with ``gathers_both``, ``False`` before.
         unsharded_scales: the unsharded weight's own copies of per-tensor scales, by plane
-            (``fsdp._shared_scale``).
+            (``fsdp_buffers._scale_copy``).
         unsharded_view: what a gather hands out as the unsharded parameter where that is not a
             QuantizedTensor (``fsdp.UnshardedView``; TE modules' weights: ``te.FSDP_TE_VIEW``).
         gathered: the current gather, where it brought one plane of a recipe that stores two

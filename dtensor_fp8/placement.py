@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+from ._compat import dtensor_local
 from .formats.base import USAGES, Recipe, RecipeError
 from .layout import shard_dim  # noqa: F401  (re-exported: placement.shard_dim)
 from .ops.slicing import check_shardable, chunk_of  # noqa: F401  (check_shardable: public here)
@@ -44,6 +45,19 @@ def like(ref: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(ref, DTensor):
         return local
     return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+def inner_tensor(p: torch.Tensor) -> torch.Tensor:
+    """``p`` itself unless it is a DTensor, else a parameter sharing the storage of its local shard
+    (what a ``MasterWeightOptimizer``'s inner optimizer steps for ``p``).
+
+    Example:
+        >>> inner_tensor(master).data_ptr() == master.to_local().data_ptr()
+        True
+    """
+    if not isinstance(p, DTensor):
+        return p
+    return torch.nn.Parameter(dtensor_local(p).detach(), requires_grad=p.requires_grad)
 
 
 def local_slice(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -51,11 +51,7 @@ def quantize(
     planes = recipe.quantize_planes(x2d, recipe.stored_usages(rowwise, columnwise), scale=scale)
     usages = tuple(u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on)
     q = QuantizedTensor.from_planes(planes, recipe, matrix, x.dtype, usages)
-    return q if len(x.shape) == 2 else _reshaped(q, x.shape)
-
-
-def _reshaped(q: QuantizedTensor, shape) -> QuantizedTensor:
-    return q.rebuild(shape=shape)
+    return q if len(x.shape) == 2 else q.rebuild(shape=x.shape)
 
 
 def te_layout(q: QuantizedTensor) -> dict[str, torch.Tensor]:

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from . import _compat
 from ._compat import dtensor_local
 from .entry import RECIPE_KEY, plane_key
-from .expert_entries import as_plane_matrix, expert_plane_entries
+from .expert_entries import as_plane_matrix, expert_plane_copies, expert_plane_entries
 from .formats.base import Plane, RecipeError, as_matrix_shape
 from .formats.config import recipe_config, recipe_from_config
 from .param_state import FP8ParamState, ScalingState
@@ -83,20 +83,6 @@ def _dim0_placements(param: DTensor) -> list:
             for pl in param.placements]
 
 
-def _sharded_like_dim0(param: DTensor, local: torch.Tensor) -> DTensor:
-    """``local`` (one row per index of ``param``'s local dim 0) as a DTensor sharded like that dim."""
-    placements = _dim0_placements(param)
-    shape = (param.shape[0], *local.shape[1:])
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
-
-
-def _like_matrix(param: DTensor, local: torch.Tensor, placements, shape) -> DTensor:
-    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=(shape[1], 1))
-
-
 def plane_entries(param: torch.Tensor) -> dict:
     """The state-dict entry of one FP8 parameter: its planes as plain/DTensor copies + recipe config.
 
@@ -109,44 +95,65 @@ def plane_entries(param: torch.Tensor) -> dict:
     """
     q = local_tensor(param)
     q.check_bytes_made()
-    entry = {RECIPE_KEY: recipe_config(q.recipe.of_whole(param.shape))}  # a TP piece's: its weight's recipe
+    if q.dim() > 2:  # expert weights: the planes in the weight's own dims (expert_entries.py's note)
+        copies = expert_plane_entries(param, q) if isinstance(param, DTensor) else expert_plane_copies(q)
+    else:
+        copies = _matrix_plane_copies(param, q)
+    states = _scaling_entries(param, q)
+    return {RECIPE_KEY: recipe_config(q.recipe.of_whole(param.shape)), **states, **copies}  # a TP piece's: its weight's recipe
+
+
+def _matrix_plane_copies(param: torch.Tensor, q: QuantizedTensor) -> dict:
+    """The planes of a 2-D FP8 weight ``param`` (local tensor ``q``) as state-dict copies: DTensors
+    of the whole weight's matrix where ``param`` is one."""
+    planes, sharded = q.planes, isinstance(param, DTensor)
+    if sharded:
+        # The layout of every saved tensor first (the planes are matrices: tensor.py's note), then the
+        # grids whole where shards split blocks (see the note), then the copies.
+        matrix_placements, matrix = _matrix_layout(param)
+        scale_placements = {u: _scale_placements(param, q.recipe, u, matrix_placements) for u in planes}
+        scales = {}
+        for usage, plane in planes.items():
+            split = split_blocks(param, usage)
+            scales[usage] = plane.scale_inv
+            if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
+                scale_placements[usage] = [
+                    Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
+                    for pl in scale_placements[usage]]
+                scales[usage] = groups.whole_grid(one_byte_as_uint8(plane.scale_inv), split)
+    copies = {}
+    for usage, plane in planes.items():
+        data = one_byte_as_uint8(plane.data).clone()
+        scale = one_byte_as_uint8(scales[usage] if sharded else plane.scale_inv).clone()
+        if sharded:
+            grid = q.recipe.block_shape(usage).grid(matrix)
+            data = DTensor.from_local(data, param.device_mesh, matrix_placements, run_check=False,
+                                      shape=torch.Size(matrix), stride=(matrix[1], 1))
+            scale = DTensor.from_local(scale, param.device_mesh, scale_placements[usage],
+                                       run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
+        copies[plane_key(usage, "data")] = data
+        copies[plane_key(usage, "scale_inv")] = scale
+    return copies
+
+
+def _scaling_entries(param: torch.Tensor, q: QuantizedTensor) -> dict:
+    """The scaling states ``q``'s owner saves (made now if no optimizer made them: a complete
+    template); a state with a row per index of dim 0 (per expert) sharded as the weight's dim 0 is."""
     record = q.param_state.scaling
     record.ensure_operand_states(q.recipe, q.device)
-    for usage, plane in q.planes.items():  # made now if no optimizer made it: a complete template
+    for usage, plane in q.planes.items():
         record.weight_state(q.recipe, usage, plane)
     per_index = set(record.weight_entries()) if q.recipe.scaling_state_per_index and isinstance(param, DTensor) else ()
+    states = {}
     for name, value in record.entries().items():  # the owner saves its scaling states, once
         value = value.detach().clone()
-        # a state with a row per index of dim 0 (per expert) is sharded as the weight's dim 0 is
-        entry[name] = _sharded_like_dim0(param, value) if name in per_index else value
-    if q.dim() > 2:  # expert weights: the planes in the weight's own dims (expert_entries.py's note)
-        if isinstance(param, DTensor):
-            return {**entry, **expert_plane_entries(param, q)}
-        for usage, plane in q.planes.items():
-            entry[plane_key(usage, "data")] = one_byte_as_uint8(plane.data).clone().reshape(q.shape)
-            scale = one_byte_as_uint8(plane.scale_inv).clone()
-            entry[plane_key(usage, "scale_inv")] = scale.reshape(q.shape[0], -1, scale.shape[-1])
-        return entry
-    if isinstance(param, DTensor):
-        matrix_placements, matrix = list(param.placements), tuple(param.shape)
-    for usage, plane in q.planes.items():
-        data = one_byte_as_uint8(plane.data).clone()
-        scale = one_byte_as_uint8(plane.scale_inv).clone()
-        if isinstance(param, DTensor):
-            grid = q.recipe.block_shape(usage).grid(matrix)
-            data = _like_matrix(param, data, matrix_placements, matrix)
-            placements = _scale_placements(param, q.recipe, usage, matrix_placements)
-            split = split_blocks(param, usage)
-            if split is not None:  # shards split blocks: the grid whole along the split dims (see the note)
-                placements = [Replicate() if (d := shard_dim(pl)) is not None and split.total[d] is not None else pl
-                              for pl in placements]
-                scale = _whole_grid(scale, split)
-            scale = DTensor.from_local(scale, param.device_mesh, placements,
-                                       run_check=False, shape=torch.Size(grid), stride=(grid[1], 1))
-        entry[plane_key(usage, "data")] = data
-        entry[plane_key(usage, "scale_inv")] = scale
-    return entry
-
+        if name in per_index:
+            shape = (param.shape[0], *value.shape[1:])
+            value = DTensor.from_local(value, param.device_mesh, _dim0_placements(param), run_check=False,
+                                       shape=torch.Size(shape),
+                                       stride=tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
+        states[name] = value
+    return states
 
 def _fp8_params(module):
     return [(name, p) for name, p in module.named_parameters(recurse=False) if isinstance(local_tensor(p), QuantizedTensor)]
@@ -258,13 +265,6 @@ def entry_to_param(entry: dict, param: torch.Tensor, name: str) -> torch.Tensor:
 # other layout, so it loads aligned or split, at any world size, and old checkpoints load here.
 # Cost: the dim-0 scale grids of such weights are whole on every rank while the state dict lives
 # (128x128: 4 bytes per 128x128 block; 1x128 and MXFP8 column planes: 1/32 byte per element).
-def _whole_grid(scale: torch.Tensor, split) -> torch.Tensor:
-    """A weight's block grid, whole along the split dims, from each rank's touched blocks ``scale``."""
-    rows = scale.float() if scale.dtype.itemsize == 1 else scale  # E8M0 bytes reduce exactly as floats
-    whole = groups.max_over_(split.whole(rows), split.groups)
-    return whole.to(scale.dtype) if scale.dtype.itemsize == 1 else whole
-
-
 def _touched_rows(saved, split, grid: tuple[int, int]) -> torch.Tensor:
     """The scales of the blocks this rank's shard touches (a ``grid``), from a loaded grid DTensor
     ``saved`` (whole along the split dims: see the note)."""

@@ -30,11 +30,11 @@ CYCLES_PENDING_REWORK: set[tuple[str, ...]] = set()
 LAYERS = [
     ("recipes", ["settings", "_compat", "fix_hints", "layout", "formats", "formats.*"]),
     ("tensor", ["op_table", "lifecycle", "entry", "owner_protocols", "param_state", "tensor", "quantize", "gemm", "linear"]),
-    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "scale_slots", "fsdp_buffers", "fsdp_completion", "fsdp", "tp", "comm", "grouped_mm", "grouped_fp8",
+    ("distributed", ["ops", "ops.*", "placement", "groups", "agreement", "scale_slots", "fsdp_buffers", "fsdp_completion", "fsdp_unsharded", "fsdp", "tp", "comm", "grouped_mm", "grouped_fp8",
                      "requantize", "param_writes"]),
     ("training / checkpoint", ["operand_scaling", "optim", "optim_follow", "optim_load", "optim_masters", "optim_state", "module", "expert_entries", "state_dict", "hp_load", "checkpoint", "checkpoint.*", "export_fp8",
                                "describe"]),
-    ("top", ["te", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
+    ("top", ["te", "te_tensor", "__init__", "benchmarks", "benchmarks.*", "integrations", "integrations.*"]),
 ]
 
 #: Private torch modules (a path component starting with "_") that files other than _compat.py may

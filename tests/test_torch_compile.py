@@ -84,7 +84,7 @@ def test_per_block_compile_under_fully_shard(pools, name, kind, style):
 @pytest.mark.parametrize("name", ["mxfp8", "blockwise1d"])
 def test_per_block_compile_under_fully_shard_one_rank(pools, name):
     """At one rank every scale is the shard's own, copied into the unsharded weight at each
-    gather (fsdp._shared_scale): the backward's gather rewrites a scale the compiled forward saved,
+    gather (fsdp_buffers._scale_copy): the backward's gather rewrites a scale the compiled forward saved,
     which must not count as an in-place change (two-plane recipes: the columnwise scale)."""
     (eager, compiled, counters), = pools[1].run(per_block_compile_vs_eager, name, "module.compile", DEVICE)
     assert mismatches(eager, compiled) == []

@@ -122,6 +122,25 @@ class Recipe(abc.ABC):
         wanted = [u for u, on in ((ROWWISE, rowwise), (COLUMNWISE, columnwise)) if on]
         return tuple(dict.fromkeys(self.stored_usage(u) for u in wanted))
 
+    def narrow_planes(self, planes: dict[str, Plane], dim: int, start: int, end: int, phase: int) -> dict[str, Plane]:
+        """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, end)`` of ``planes``, as views, with the
+        scales of every block they touch, where the planes start at block ``phase`` along ``dim``.
+
+        Example:
+            >>> top = MXFP8().narrow_planes(planes, 0, 0, 96, 0)   # rows 0..95 and their 3 scale rows
+        """
+        out = {}
+        for usage, plane in planes.items():
+            block = self.block_shape(usage).extent(dim)
+            if block is None:  # one scale for the whole dim: shared by every slice
+                scale = plane.scale_inv
+            else:
+                first = (phase % block + start) // block
+                last = -(-(phase % block + end) // block) if end > start else first
+                scale = plane.scale_inv.narrow(dim, first, last - first)
+            out[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
+        return out
+
     def empty_planes(self, shape: tuple[int, int], usages: tuple[str, ...], device) -> dict[str, Plane]:
         """Uninitialized planes (FP8 data and block scales) of a ``shape`` weight for the stored
         planes of ``usages``: a weight built on the meta device, whose bytes come later.

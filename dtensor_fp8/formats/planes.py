@@ -81,12 +81,10 @@ def as_matrix_shape(shape) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def te_data(data2d: torch.Tensor, shape, *, transposed: bool) -> torch.Tensor:
-    """FP8 data as TE stores it, uint8: ``shape``, or ``(K, *leading)`` for a transposed copy."""
-    u8 = data2d.view(torch.uint8)
-    if transposed:
-        return transpose_2d(u8).reshape(shape[-1], *shape[:-1])
-    return u8.reshape(shape)
+def te_data(data2d: torch.Tensor, shape) -> torch.Tensor:
+    """FP8 data as TE stores it where its layout is ours: a uint8 view of ``shape`` (TE's
+    transposed copies are built by :func:`transposer_2d`)."""
+    return data2d.view(torch.uint8).reshape(shape)
 
 
 def transpose_2d(data: torch.Tensor) -> torch.Tensor:

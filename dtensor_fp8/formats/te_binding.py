@@ -12,10 +12,10 @@ it matches. Everything TE-shaped is derived from that declaration, here:
 * :meth:`TEBinding.planes_from` — the inverse (``Recipe.from_te_layout``);
 * :meth:`TEBinding.scale_extents` — the unpadded region of each padded scale tensor;
 * :meth:`TEBinding.views_planes` — whether every rowwise buffer is a view of our planes (no copy),
-  which lets FSDP's one-rank gather hand TE views of the shard itself (``te.py``);
+  which lets FSDP's one-rank gather hand TE views of the shard itself (``te_tensor.py``);
 * :func:`te_quantizer`, :func:`te_recipe_for` — TE's quantizer and recipe objects for a recipe.
 
-The TE adapter (``te.py``), the benchmarks and the recipes' TE-kernel fast path never ask which
+The TE adapter (``te.py``, ``te_tensor.py``), the benchmarks and the recipes' TE-kernel fast path never ask which
 recipe they hold: they read its binding. TE itself is imported lazily (``te_import.py``); nothing
 here needs it except the two functions that build TE objects.
 """
@@ -139,7 +139,7 @@ class TEBinding:
         FSDP gather (``te.py``) pays only for the copy itself."""
         if b.part == DATA:
             if not b.transposed:
-                view = te_data(plane.data, shape, transposed=False)
+                view = te_data(plane.data, shape)
                 return lambda reuse=None: view
             transpose = transposer_2d(plane.data.view(torch.uint8))
             if len(shape) == 2:

@@ -113,16 +113,7 @@ def slice_quantized(q: QuantizedTensor, dim: int, start: int, end: int) -> Quant
         hp = None if q.hp_init is None else q.hp_init.narrow(dim, start, end - start)
         return q.rebuild({u: Plane(p.data.narrow(dim, start, end - start), p.scale_inv) for u, p in planes.items()},
                          shape=shape, hp_init=hp, phase=None)
-    phase = q.phase[dim]
-    for usage, plane in list(planes.items()):
-        block = q.recipe.block_shape(usage).extent(dim)
-        if block is None:  # one scale for the whole dim: shared by every slice
-            scale = plane.scale_inv
-        else:
-            first = (phase % block + start) // block
-            last = -(-(phase % block + end) // block) if end > start else first
-            scale = plane.scale_inv.narrow(dim, first, last - first)
-        planes[usage] = Plane(plane.data.narrow(dim, start, end - start), scale)
+    planes = q.recipe.narrow_planes(planes, dim, start, end, q.phase[dim])
     shape = list(q.shape)
     shape[dim] = end - start
     new_phase = list(q.phase)
