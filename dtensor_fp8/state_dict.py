@@ -108,9 +108,9 @@ def _matrix_plane_copies(param: torch.Tensor, q: QuantizedTensor) -> dict:
     of the whole weight's matrix where ``param`` is one."""
     planes, sharded = q.planes, isinstance(param, DTensor)
     if sharded:
-        # The layout of every saved tensor first (the planes are matrices: tensor.py's note), then the
+        # The layout of every saved tensor first (a 2-D weight's planes are its matrix), then the
         # grids whole where shards split blocks (see the note), then the copies.
-        matrix_placements, matrix = _matrix_layout(param)
+        matrix_placements, matrix = list(param.placements), tuple(param.shape)
         scale_placements = {u: _scale_placements(param, q.recipe, u, matrix_placements) for u in planes}
         scales = {}
         for usage, plane in planes.items():
