@@ -4,12 +4,15 @@ checkpoints that load byte-exact at another FSDP world size and resume training 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import dtensor_fp8 as d
 from dtensor_fp8.formats.base import Plane
@@ -187,6 +190,67 @@ def test_checkpoint_reshards_and_resumes_exactly(pools, tmp_path, name):
     if 4 in WORLD_SIZES:
         for loaded4, _, _ in pools[4].run(_load, root, name, 0):
             _same(loaded4, saved)
+
+
+def _older_layout(t):
+    """An expert plane or scale grid as dtensor_fp8 saved it before commit 92b7a64 (its
+    ``state_dict._matrix_layout``): the planes' matrix ``(E * out, in)`` / ``(E * grid rows, grid
+    cols)`` of the same local bytes, sharded as the experts are (``Shard(0)`` of the rows), i.e. the
+    entry in the weight's own dims with its leading dims flattened. Checked against a checkpoint
+    that commit wrote (2 gloo ranks, ``current``): the same keys, sizes and chunks in ``.metadata``."""
+    if not isinstance(t, DTensor):
+        return t.reshape(-1, t.shape[-1])
+    shape = (math.prod(t.shape[:-1]), t.shape[-1])
+    return DTensor.from_local(t.to_local().reshape(-1, t.shape[-1]), t.device_mesh, t.placements, run_check=False,
+                              shape=torch.Size(shape), stride=(shape[1], 1))
+
+
+def _flat(state, prefix=""):
+    """A nested state dict's values under DCP's dotted keys."""
+    out = {}
+    for k, v in state.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _older_layout_refused(root, name):
+    model, opt = _build(name)
+    _steps(model, opt, 1, seed=0)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    for pname in EXPERT_WEIGHTS:
+        entry = model_sd[pname]
+        for key in [k for k in entry if k.endswith(("_data", "_scale_inv"))]:
+            entry[key] = _older_layout(entry[key])
+    d.save_checkpoint({"model": model_sd, "optim": optim_sd}, root, 1)
+
+    fresh, fresh_opt = _build(name)
+    before = _full(fresh, fresh_opt)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    values = {k: _local(v).clone() for k, v in _flat(state).items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(d.CheckpointError) as err:
+        d.load_checkpoint(state, d.latest_checkpoint(root))
+    message = str(err.value)
+    key = next(k for k in message.split("'") if k.startswith("model.w"))  # the entry it names
+    pname, field = key.split(".")[1:]
+    shape = tuple(model_sd[pname][field].shape)
+    assert field.endswith(("_data", "_scale_inv")) and len(shape) == 3, message
+    assert f"is {(shape[0] * shape[1], shape[2])} in the checkpoint, {shape} in the state dict" in message, message
+    assert "before commit 92b7a64" in message and "load_hp_checkpoint(model" in message, message
+    assert "[every rank of" in message and "The state dict was not modified" in message, message
+    after = _flat(state)
+    for k, v in values.items():  # nothing half-loaded: the state dict and the model as they were
+        assert torch.equal(_local(after[k]).reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+    _same(_full(fresh, fresh_opt), before)
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8"])
+def test_older_expert_layout_is_refused_naming_the_fix(pools, tmp_path, name):
+    """A checkpoint whose expert planes are in the layout written before commit 92b7a64 (flattened
+    ``(E * out, in)``) is refused on every rank, naming the entry, both shapes and the way over
+    (the older version's high-precision export, loaded here with ``load_hp_checkpoint``), and
+    leaves the state dict and the model untouched."""
+    pools[WORLD_SIZES[0]].run(_older_layout_refused, str(tmp_path / "ckpt"), name)
 
 
 def _full_state_dict_roundtrip(name):

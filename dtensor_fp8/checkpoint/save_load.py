@@ -28,6 +28,7 @@ from ..formats.config import recipe_from_config
 from ..entry import (MASTER_KEY, RECIPE_KEY, is_extra_state, is_master_key, is_recipe_key, is_scaling_state_entry,
                      is_weight_state_entry, weight_key)
 from ..placement import like, local_tensor
+from ..expert_entries import older_layout_problem
 from ..state_dict import check_saved_recipe
 from .dcp_io import OpenedCheckpoint, SafeFileSystemReader, SafeLoadPlanner, checksum_policy, open_checkpoint
 from .dcp_write import ChecksumFileSystemWriter, ChecksumSavePlanner, checkpoint_error_of
@@ -416,6 +417,8 @@ def _check_entries(flat: dict, recipes: dict, opened: OpenedCheckpoint, path: st
                     f"but only {stored} bytes are stored for it (a crafted size?); restore .metadata from a copy")
             copies[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype, device=value.device)
             blobs.add(key)
+        elif (older := older_layout_problem(key, tuple(meta.size), tuple(value.shape))) is not None:
+            raise CheckpointError(f"{path}: {older}")
         elif tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
             raise CheckpointError(
                 f"{path}: entry {key!r} is {meta.properties.dtype} {tuple(meta.size)} in the checkpoint, "
