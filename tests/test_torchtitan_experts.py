@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dtensor_fp8 as d
-from dist_utils import WORLD_SIZES
+from dist_utils import WORLD_SIZES, RankPool
 
 if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
     pytest.skip(f"torchtitan 0.3 needs torch >= 2.14 (this is {torch.__version__})", allow_module_level=True)
@@ -77,7 +77,18 @@ def test_fp8_experts_train_like_bf16_every_recipe(pools, tmp_path, family, layou
     world = LAYOUTS[layout][0]
     if world not in WORLD_SIZES:
         pytest.skip(f"the suite runs without world size {world}")
-    out = pools[world].run(_every_recipe, family, layout, str(tmp_path))
+    if layout == RESUMED:
+        # Fresh rank processes: after tests/test_torchtitan.py's Llama3 runs in the same pool, Qwen3's
+        # resume (current scaling) came back with its dense layer-0 weights and their optimizer
+        # state unlike the uninterrupted run's; in fresh processes it is bit-exact. Not diagnosed
+        # yet (state one torchtitan setup leaves in the process): see the issue's notes.
+        pool = RankPool(world)
+        try:
+            out = pool.run(_every_recipe, family, layout, str(tmp_path))
+        finally:
+            pool.close()
+    else:
+        out = pools[world].run(_every_recipe, family, layout, str(tmp_path))
     routed = {n for o in out for n in o["routed"]}  # pipelined: each stage's own
     assert len(routed) == 3 * MOE_LAYERS and all(ROUTED in n for n in routed), sorted(routed)
     bf16 = out[0]["bf16"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import WORLD_SIZES
+from dist_utils import WORLD_SIZES, RankPool
 
 if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14):
     pytest.skip(f"torchtitan 0.3 needs torch >= 2.14 (this is {torch.__version__})", allow_module_level=True)
@@ -36,10 +36,18 @@ def _fsdp_runs(steps=2):
             "meshes": {n: p.device_mesh.mesh_dim_names for n, p in run.routed().items()}}
 
 
-def test_spmd_types_fsdp2_two_ranks_fp8_experts_train_like_bf16(pools):
+def test_spmd_types_fsdp2_two_ranks_fp8_experts_train_like_bf16():
+    """Fresh rank processes of its own: torchtitan's ``spmd_types`` path resolves FSDP's mesh from
+    state an earlier torchtitan setup in the same process leaves behind (after tests/test_torchtitan.py
+    in a shared pool, ``fully_shard`` raised "Expected param's DTensor mesh to be the same mesh
+    passed to fully_shard")."""
     if 2 not in WORLD_SIZES:
         pytest.skip("2 ranks")
-    out = pools[2].run(_fsdp_runs)
+    pool = RankPool(2)
+    try:
+        out = pool.run(_fsdp_runs)
+    finally:
+        pool.close()
     r = out[0]
     assert all(o["losses"] == r["losses"] for o in out)
     assert r["backend"] == "spmd_types"
