@@ -98,8 +98,11 @@ def weight_groups(p: torch.Tensor, spans: Callable[[int], bool]) -> tuple[Group,
         (<ProcessGroup dp>,)
     """
     layout = _layout(p)
-    if layout is None:
-        return ()
+    return () if layout is None else _layout_groups(layout, spans)
+
+
+def _layout_groups(layout, spans: Callable[[int], bool]) -> tuple[Group, ...]:
+    """The groups of ``layout``'s mesh dims (of size > 1) that shard a tensor dim ``spans(dim)``."""
     mesh, placements, _ = layout
     return tuple(mesh.get_group(i) for i, pl in enumerate(placements)
                  if (d := shard_dim(pl)) is not None and spans(d) and mesh.size(i) > 1)
@@ -136,10 +139,6 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     if layout is None:
         return None
     block = (p._local_tensor if isinstance(p, DTensor) else p).recipe.block_shape(usage)
-    mesh, placements, _ = layout
-    # the group of each mesh dim that shards a tensor dim (as weight_groups finds them)
-    sharding = [(d, mesh.get_group(i)) for i, pl in enumerate(placements)
-                if (d := shard_dim(pl)) is not None and mesh.size(i) > 1]
     starts = split_starts(layout, (block.extent(0), block.extent(1)))
     if starts is None:
         return None
@@ -148,7 +147,7 @@ def split_blocks(p: torch.Tensor, usage: str) -> SplitBlocks | None:
     split = {dims[i] for i, s in enumerate(starts) if s is not None}
     return SplitBlocks(tuple(0 if s is None else s // block.extent(i) for i, s in enumerate(starts)),
                        tuple(None if s is None else -(-extents[i] // block.extent(i)) for i, s in enumerate(starts)),
-                       tuple(g for d, g in sharding if d in split))
+                       _layout_groups(layout, lambda d: d in split))
 
 
 def mesh_groups(params: Iterable[torch.Tensor]) -> tuple[Group, ...]:
